@@ -175,28 +175,46 @@ def launch(
             "Launch ranks before any CUDA call in this process (restart the kernel), "
             "and let each rank touch its own GPU."
         )
-    backend = backend or default_backend(world_size)
+    job = _Job(fn, args, kwargs, world_size, backend or default_backend(world_size), timeout,
+               threads)  # fmt: skip
+    for _ in range(3):
+        try:
+            return _launch_once(job, show_stderr)
+        except _PortTaken:  # another process took our free port between probe and bind
+            continue
+    raise RuntimeError(
+        "could not bind a free local port in 3 attempts; is the machine out of ports?"
+    )
+
+
+@dataclass
+class _Job:
+    fn: Callable[..., Any]
+    args: tuple
+    kwargs: dict
+    world_size: int
+    backend: str
+    timeout: float
+    threads: int
+
+
+class _PortTaken(Exception):
+    pass
+
+
+def _launch_once(job: _Job, show_stderr: bool) -> list[Any]:
     ctx = mp.get_context("fork")
     port = free_port()
     outdir = tempfile.mkdtemp(prefix="tpedu-ranks-")
-    try:
-        return _launch_in(
-            outdir, ctx, fn, args, kwargs, world_size, backend, port, timeout, threads, show_stderr
-        )
-    finally:
-        _cleanup_dir(outdir)
-
-
-def _launch_in(outdir, ctx, fn, args, kwargs, world_size, backend, port, timeout, threads,
-               show_stderr):  # fmt: skip
     procs: list[mp.process.BaseProcess] = []
     conns: dict[int, Connection] = {}
+    failures: list[_Failure] = []
     try:
-        for rank in range(world_size):
+        for rank in range(job.world_size):
             parent_end, child_end = ctx.Pipe(duplex=False)
             p = ctx.Process(
                 target=_rank_main,
-                args=(fn, args, kwargs, rank, world_size, backend, port, timeout, threads),
+                args=(job, rank, port),
                 kwargs={"conn": child_end, "outdir": outdir},
                 name=f"tpedu-rank{rank}",
             )
@@ -204,17 +222,24 @@ def _launch_in(outdir, ctx, fn, args, kwargs, world_size, backend, port, timeout
             child_end.close()
             procs.append(p)
             conns[rank] = parent_end
-        results, failures, pending = _collect(procs, conns, timeout)
+        results, failures, pending = _collect(procs, conns, job.timeout)
     finally:
         _kill_all(procs)
         for c in conns.values():
             c.close()
-    _print_outputs(outdir, world_size, show_stderr or bool(failures) or bool(pending))
+        port_taken = any("address already in use" in f.message.lower() for f in failures)
+        if not port_taken:
+            _print_outputs(outdir, job.world_size, show_stderr or bool(failures))
+        _cleanup_dir(outdir)
+    if port_taken:
+        raise _PortTaken()
+    world_size, timeout = job.world_size, job.timeout
     if failures and not (pending and all(f.secondary for f in failures)):
         raise _as_rank_error(failures, world_size)
     if pending:
-        seen = "".join(f"\n  rank {f.rank}: {f.exc_type}: {f.message.splitlines()[0][:160]}"
-                       for f in failures)  # fmt: skip
+        seen = "".join(
+            f"\n  rank {f.rank}: {f.exc_type}: {f.message.splitlines()[0][:160]}" for f in failures
+        )
         raise LaunchTimeout(
             f"ranks {sorted(pending)} of {world_size} did not finish within {timeout:g} s "
             "(a hang: a collective that not every rank called, or mismatched send/recv). "
@@ -359,23 +384,11 @@ def _to_cpu(obj: Any) -> Any:
     return obj
 
 
-def _rank_main(
-    fn: Callable[..., Any],
-    args: tuple,
-    kwargs: dict,
-    rank: int,
-    world_size: int,
-    backend: str,
-    port: int,
-    timeout: float,
-    threads: int,
-    *,
-    conn: Connection,
-    outdir: str,
-) -> None:
+def _rank_main(job: _Job, rank: int, port: int, *, conn: Connection, outdir: str) -> None:
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides; it kills us on Ctrl-C
     _redirect_output(outdir, rank)
+    world_size, backend, timeout, threads = job.world_size, job.backend, job.timeout, job.threads
     torch.set_num_threads(threads)
     os.environ.update(
         RANK=str(rank),
@@ -396,7 +409,7 @@ def _rank_main(
             world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout),
         )
-        result = _to_cpu(fn(*args, **kwargs))
+        result = _to_cpu(job.fn(*job.args, **job.kwargs))
         if backend == "nccl":
             torch.cuda.synchronize()
         dist.destroy_process_group()

@@ -1,0 +1,176 @@
+"""The launcher's promises, one test each: results in rank order, the original error with its
+rank and traceback, hangs and killed ranks detected, Ctrl-C, no process left behind, and
+back-to-back / repeated launches."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import tpedu
+from tpedu import LaunchTimeout, RankError, launch
+
+
+def _children() -> list[tuple[int, str]]:
+    """(pid, state) of every process whose parent is this one, zombies included."""
+    me, found = os.getpid(), []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == me:
+            found.append((int(stat.parent.name), fields[0]))
+    return found
+
+
+@pytest.fixture(autouse=True)
+def no_leftover_processes():
+    yield
+    assert _children() == [], "a launch left a rank process (or a zombie) behind"
+
+
+def rank_info(scale):
+    x = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(x)
+    return {"rank": dist.get_rank(), "sum": x * scale, "threads": torch.get_num_threads()}
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_results_come_back_in_rank_order(world_size):
+    out = launch(rank_info, world_size, 2.0)
+    assert [o["rank"] for o in out] == list(range(world_size))
+    total = world_size * (world_size + 1) / 2
+    assert all(torch.equal(o["sum"], torch.tensor([2.0 * total])) for o in out)
+    assert all(o["threads"] == 1 for o in out), "each rank must run on one thread"
+
+
+def raise_on_rank(bad_rank):
+    if dist.get_rank() == bad_rank:
+        time.sleep(0.2)  # the others are already blocked in the barrier
+        raise ValueError(f"bad value on rank {bad_rank}")
+    dist.barrier()
+
+
+@pytest.mark.parametrize("bad_rank", [0, 1])
+def test_the_original_exception_is_reported_with_rank_and_traceback(bad_rank):
+    with pytest.raises(RankError) as info:
+        launch(raise_on_rank, 2, bad_rank, timeout=30)
+    err = info.value
+    assert err.rank == bad_rank
+    assert str(err).startswith(f"rank {bad_rank} of 2 raised ValueError: bad value on rank")
+    assert "raise_on_rank" in err.remote_traceback  # the worker's own frame, not the launcher's
+
+
+def hang_on_rank_1():
+    if dist.get_rank() == 1:
+        time.sleep(60)
+    dist.barrier()
+
+
+def test_a_hang_becomes_a_timeout_error():
+    start = time.monotonic()
+    with pytest.raises(LaunchTimeout, match=r"ranks \[.*1.*\] of 2 did not finish within 2 s"):
+        launch(hang_on_rank_1, 2, timeout=2)
+    assert time.monotonic() - start < 15
+
+
+def die_on_rank_1():
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.barrier()
+
+
+def test_a_killed_rank_is_detected():
+    with pytest.raises(RankError, match="rank 1 of 2 was killed by signal SIGKILL") as info:
+        launch(die_on_rank_1, 2, timeout=30)
+    assert info.value.rank == 1
+
+
+def print_out_of_order():
+    rank = dist.get_rank()
+    time.sleep(0.3 * (dist.get_world_size() - rank))  # the last rank prints first
+    print(f"hello from {rank}")
+    print("second line")
+
+
+def test_output_is_grouped_by_rank_in_rank_order(capsys):
+    launch(print_out_of_order, 3)
+    assert capsys.readouterr().out.splitlines() == [
+        line
+        for r in range(3)
+        for line in (f"[rank {r}] hello from {r}", f"[rank {r}] second line")
+    ]
+
+
+def return_unpicklable():
+    return lambda: None
+
+
+def test_an_unpicklable_result_is_a_clear_error():
+    with pytest.raises(RankError, match="cannot be sent back"):
+        launch(return_unpicklable, 2)
+
+
+def test_refuses_when_cuda_is_initialised_in_the_parent(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    with pytest.raises(RuntimeError, match="CUDA is already initialised"):
+        launch(rank_info, 2, 1.0)
+
+
+def test_bad_world_size():
+    with pytest.raises(ValueError, match="world_size must be at least 1"):
+        launch(rank_info, 0, 1.0)
+
+
+@pytest.mark.parametrize("attempt", range(20))
+def test_repeated_launches_pass_every_time(attempt):
+    """A multi-rank check run 20 times in a row (fresh port each time) passes 20 times."""
+    a, b = launch(rank_info, 2, float(attempt))
+    assert a["sum"].item() == b["sum"].item() == 3.0 * attempt
+
+
+def test_back_to_back_launches_with_failures_in_between():
+    for _ in range(3):
+        with pytest.raises(RankError):
+            launch(raise_on_rank, 2, 1, timeout=30)
+        assert [o["rank"] for o in launch(rank_info, 2, 1.0)] == [0, 1]
+
+
+def test_ctrl_c_kills_every_rank(tmp_path):
+    """SIGINT to the launching process (a kernel interrupt) leaves no rank running."""
+    script = textwrap.dedent(f"""
+        import os, time
+        import tpedu
+
+        def work():
+            open(os.path.join({str(tmp_path)!r}, f"pid{{os.getpid()}}"), "w").close()
+            time.sleep(60)
+
+        try:
+            tpedu.launch(work, 2, timeout=60)
+        except KeyboardInterrupt:
+            print("interrupted", flush=True)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while len(list(tmp_path.glob("pid*"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    pids = [int(p.name[3:]) for p in tmp_path.glob("pid*")]
+    assert len(pids) == 2, "ranks did not start"
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=30)
+    assert "interrupted" in out
+    for pid in pids:
+        assert not Path(f"/proc/{pid}").exists(), f"rank process {pid} survived Ctrl-C"
+
+
+def test_device_is_cpu_on_gloo():
+    assert launch(tpedu.device, 2) == [torch.device("cpu")] * 2
