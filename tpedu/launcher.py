@@ -135,6 +135,7 @@ def run(
     *args: Any,
     backend: str | None = None,
     timeout: float = DEFAULT_TIMEOUT,
+    stream: bool = False,
     **kwargs: Any,
 ) -> list[Any]:
     """Launch `fn` on `world_size` local ranks, or join the job if started by torchrun.
@@ -143,7 +144,9 @@ def run(
     rank's own result (other processes hold the rest).
     """
     if not under_torchrun():
-        return launch(fn, world_size, *args, backend=backend, timeout=timeout, **kwargs)
+        return launch(
+            fn, world_size, *args, backend=backend, timeout=timeout, stream=stream, **kwargs
+        )
     init_from_env(backend, timeout)
     try:
         return [fn(*args, **kwargs)]
@@ -159,9 +162,13 @@ def launch(
     timeout: float = DEFAULT_TIMEOUT,
     threads: int = 1,
     show_stderr: bool = False,
+    stream: bool = False,
     **kwargs: Any,
 ) -> list[Any]:
     """Run `fn(*args, **kwargs)` on `world_size` forked ranks; return the results in rank order.
+
+    stream=True lets rank 0 write straight to this process's terminal (live progress bars, for
+    the CLI); the other ranks' output is still collected and printed afterwards.
 
     Tensors in a result are detached and moved to the CPU. Raises `RankError` if a rank raises or
     dies and `LaunchTimeout` if they do not all finish within `timeout` seconds; either way every
@@ -176,7 +183,7 @@ def launch(
             "and let each rank touch its own GPU."
         )
     job = _Job(fn, args, kwargs, world_size, backend or default_backend(world_size), timeout,
-               threads)  # fmt: skip
+               threads, stream)  # fmt: skip
     for _ in range(3):
         try:
             return _launch_once(job, show_stderr)
@@ -196,6 +203,7 @@ class _Job:
     backend: str
     timeout: float
     threads: int
+    stream: bool = False
 
 
 class _PortTaken(Exception):
@@ -387,7 +395,8 @@ def _to_cpu(obj: Any) -> Any:
 def _rank_main(job: _Job, rank: int, port: int, *, conn: Connection, outdir: str) -> None:
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides; it kills us on Ctrl-C
-    _redirect_output(outdir, rank)
+    if not (job.stream and rank == 0):
+        _redirect_output(outdir, rank)
     world_size, backend, timeout, threads = job.world_size, job.backend, job.timeout, job.threads
     torch.set_num_threads(threads)
     os.environ.update(

@@ -1,0 +1,341 @@
+"""A GPT in two forms: `DenseGPT` (plain torch, one process) and `TPGPT` (tensor parallel).
+
+One config expresses GPT-2 (LayerNorm, learned positions, GELU, tied embeddings, biases) and a
+Llama-style model (RMSNorm, RoPE, SwiGLU, grouped-query attention, no biases). `TPGPT` is built
+from a DenseGPT's state dict, sharded per rank, so TP=N starts identical to TP=1, and
+`gather_state_dict()` gives the dense state dict back.
+
+Per transformer block, tensor parallelism costs exactly (b·s·H elements each):
+    forward:  2 all-reduces (attention out-projection, MLP fc2)
+    backward: 2 all-reduces (the f in front of QKV, the f in front of fc1)
+plus, with a vocab-parallel embedding and loss: 1 all-reduce forward for the embedding, 1
+backward for the LM head's input, and 3 small all-reduces (b·s elements) in the loss.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from tpedu import collectives
+from tpedu.attention import ParallelAttention, check_heads
+from tpedu.batches import IGNORE
+from tpedu.dense import DenseAttention, DenseMLP
+from tpedu.dropout import derive_seed, index_dropout
+from tpedu.embedding import ReplicatedEmbedding, VocabParallelEmbedding
+from tpedu.layers import ColumnParallelLinear, RowParallelLinear
+from tpedu.mlp import ParallelMLP
+from tpedu.sharding import check_divisible
+from tpedu.tp_ops import copy_to_tp_region
+from tpedu.vocab_parallel import gather_logits, vocab_parallel_cross_entropy
+
+# Dropout call sites owned by the model (the attention and MLP modules own theirs).
+EMBEDDING_DROPOUT_SITE, ATTENTION_OUTPUT_DROPOUT_SITE = 11, 12
+
+
+@dataclass
+class GPTConfig:
+    """Everything that fixes the model's shapes and arithmetic."""
+
+    vocab_size: int
+    seq_len: int = 128
+    n_layers: int = 2
+    hidden: int = 64
+    n_heads: int = 4
+    n_kv_heads: int | None = None  # None: = n_heads (multi-head attention)
+    ffn_hidden: int | None = None  # None: 4 · hidden
+    norm: str = "layernorm"  # or "rmsnorm"
+    position: str = "learned"  # or "rope"
+    activation: str = "gelu"  # "gelu", "gelu_tanh" (GPT-2), "swiglu", ...
+    bias: bool = True
+    tie_embeddings: bool = True
+    vocab_parallel: bool = True  # False: every rank keeps the whole embedding (the seeds' start)
+    dropout: float = 0.0
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    seed: int = 0  # dropout masks
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def ffn(self) -> int:
+        return 4 * self.hidden if self.ffn_hidden is None else self.ffn_hidden
+
+    def check(self, tp: int = 1) -> None:
+        """Raise a ValueError naming the problem (and the fix) if this config cannot run at `tp`."""
+        for name, choices in (
+            ("norm", ("layernorm", "rmsnorm")),
+            ("position", ("learned", "rope")),
+        ):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
+        if self.hidden % self.n_heads:
+            raise ValueError(f"hidden = {self.hidden} is not divisible by n_heads = {self.n_heads}")
+        if self.position == "rope" and (self.hidden // self.n_heads) % 2:
+            raise ValueError("RoPE needs an even head dimension")
+        check_heads(self.n_heads, self.kv_heads, tp)
+        check_divisible(self.ffn, tp, "ffn_hidden")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def gpt2_like(cls, vocab_size: int, **overrides: object) -> GPTConfig:
+        return cls(vocab_size, **{"activation": "gelu_tanh", **overrides})
+
+    @classmethod
+    def llama_like(cls, vocab_size: int, **overrides: object) -> GPTConfig:
+        base = {"norm": "rmsnorm", "position": "rope", "activation": "swiglu", "bias": False,
+                "n_kv_heads": 2, "tie_embeddings": False}  # fmt: skip
+        return cls(vocab_size, **{**base, **overrides})
+
+
+def make_norm(config: GPTConfig) -> nn.Module:
+    if config.norm == "rmsnorm":
+        return nn.RMSNorm(config.hidden, eps=config.norm_eps)
+    return nn.LayerNorm(config.hidden, eps=config.norm_eps, bias=config.bias)
+
+
+class DenseBlock(nn.Module):
+    """Pre-norm block: x + drop(attn(norm1(x))), then + mlp(norm2(·)) (the MLP drops its output)."""
+
+    def __init__(self, config: GPTConfig, layer: int) -> None:
+        super().__init__()
+        self.seed = derive_seed(config.seed, layer)
+        self.p = config.dropout
+        self.norm1, self.norm2 = make_norm(config), make_norm(config)
+        rope = config.rope_theta if config.position == "rope" else None
+        self.attn = DenseAttention(config.hidden, config.n_heads, config.kv_heads,
+                                   bias=config.bias, dropout_p=config.dropout,
+                                   dropout_seed=self.seed, rope_theta=rope)  # fmt: skip
+        self.mlp = DenseMLP(config.hidden, config.ffn, config.activation, config.bias,
+                            output_dropout=config.dropout, seed=self.seed)  # fmt: skip
+
+    def forward(self, x: torch.Tensor, step: int = 0) -> torch.Tensor:
+        a = self.attn(self.norm1(x), step)
+        seed = derive_seed(self.seed, ATTENTION_OUTPUT_DROPOUT_SITE, step)
+        x = x + index_dropout(a, self.p, seed, training=self.training)
+        return x + self.mlp(self.norm2(x), step)
+
+
+class DenseGPT(nn.Module):
+    """The single-process reference GPT. ids [b, s] -> logits [b, s, V] (or the mean loss)."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        config.check(1)
+        self.config = config
+        self.tok_emb = nn.Embedding(config.vocab_size, config.hidden)
+        self.pos_emb = (
+            nn.Embedding(config.seq_len, config.hidden) if config.position == "learned" else None
+        )
+        self.blocks = nn.ModuleList(DenseBlock(config, i) for i in range(config.n_layers))
+        self.norm_f = make_norm(config)
+        self.lm_head = (
+            None
+            if config.tie_embeddings
+            else nn.Linear(config.hidden, config.vocab_size, bias=False)
+        )
+        self.apply(_init_weights)
+
+    def hidden_states(self, ids: torch.Tensor, step: int = 0) -> torch.Tensor:
+        return _hidden_states(self, ids, step)
+
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor | None = None,
+                step: int = 0) -> torch.Tensor:  # fmt: skip
+        """Logits [b, s, V]; with `targets` [b, s], the mean loss over non-IGNORE targets."""
+        h = self.hidden_states(ids, step)
+        head = self.tok_emb.weight if self.lm_head is None else self.lm_head.weight
+        logits = F.linear(h, head)
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
+
+
+def _hidden_states(model: DenseGPT | TPGPT, ids: torch.Tensor, step: int) -> torch.Tensor:
+    """Embeddings (+ positions) -> dropout -> blocks -> final norm: [b, s] -> [b, s, H]."""
+    x = model.tok_emb(ids)
+    if model.pos_emb is not None:
+        x = x + model.pos_emb(torch.arange(ids.shape[1], device=ids.device))
+    seed = derive_seed(model.config.seed, EMBEDDING_DROPOUT_SITE, step)
+    x = index_dropout(x, model.config.dropout, seed, training=model.training)
+    for block in model.blocks:
+        x = block(x, step)
+    return model.norm_f(x)
+
+
+def _init_weights(module: nn.Module) -> None:
+    """GPT-2's initialisation: normal(0, 0.02) weights, zero biases."""
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, std=0.02)
+    if isinstance(module, nn.Linear) and module.bias is not None:
+        nn.init.zeros_(module.bias)
+
+
+class TPBlock(nn.Module):
+    """DenseBlock sharded over the TP group: norms replicated, attention and MLP split."""
+
+    def __init__(self, dense: DenseBlock, group: dist.ProcessGroup | None) -> None:
+        super().__init__()
+        self.seed, self.p = dense.seed, dense.p
+        # Replicated: the same on every rank (copies: the TP model must not share the dense one's).
+        self.norm1, self.norm2 = copy.deepcopy(dense.norm1), copy.deepcopy(dense.norm2)
+        self.attn = ParallelAttention.from_dense(dense.attn, group)
+        self.mlp = ParallelMLP.from_dense(dense.mlp, group)
+
+    def forward(self, x: torch.Tensor, step: int = 0) -> torch.Tensor:
+        a = self.attn(self.norm1(x), step)  # 1 all-reduce forward, 1 backward
+        seed = derive_seed(self.seed, ATTENTION_OUTPUT_DROPOUT_SITE, step)
+        x = x + index_dropout(a, self.p, seed, training=self.training)  # full tensor: offsets 0
+        return x + self.mlp(self.norm2(x), step)  # 1 all-reduce forward, 1 backward
+
+
+class TPGPT(nn.Module):
+    """The tensor-parallel GPT, built from a DenseGPT (identical on every rank of `group`).
+
+    ids [b, s] (the same on every rank) -> this rank's logits [b, s, Vp/t] when vocab-parallel,
+    else the full logits [b, s, V]; with targets, the mean loss (the same on every rank).
+    """
+
+    def __init__(self, dense: DenseGPT, group: dist.ProcessGroup | None = None) -> None:
+        super().__init__()
+        config = dense.config
+        self.config, self.group = config, group
+        self.tp = dist.get_world_size(group)
+        config.check(self.tp)
+        if config.vocab_parallel:
+            self.tok_emb = VocabParallelEmbedding(dense.tok_emb.weight, group)
+        else:
+            self.tok_emb = ReplicatedEmbedding(dense.tok_emb.weight)
+        self.pos_emb = copy.deepcopy(dense.pos_emb)  # replicated: positions are not sharded
+        self.blocks = nn.ModuleList(TPBlock(b, group) for b in dense.blocks)
+        self.norm_f = copy.deepcopy(dense.norm_f)
+        self.lm_head = None
+        if dense.lm_head is not None:  # an untied head is split like the embedding: by vocab
+            w = dense.lm_head.weight
+            self.lm_head = (
+                VocabParallelEmbedding(w, group)
+                if config.vocab_parallel
+                else ReplicatedEmbedding(w)
+            )
+        self._copies = self._count_copies()
+
+    @classmethod
+    def from_state_dict(cls, config: GPTConfig, state: dict[str, torch.Tensor],
+                        group: dist.ProcessGroup | None = None) -> TPGPT:  # fmt: skip
+        """Shard a dense state dict (e.g. loaded from disk, the same on every rank)."""
+        dense = DenseGPT(config)
+        dense.load_state_dict(state)
+        return cls(dense, group)
+
+    def hidden_states(self, ids: torch.Tensor, step: int = 0) -> torch.Tensor:
+        return _hidden_states(self, ids, step)  # vocab-parallel embedding: 1 all-reduce
+
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor | None = None,
+                step: int = 0) -> torch.Tensor:  # fmt: skip
+        h = self.hidden_states(ids, step)
+        head = self.tok_emb if self.lm_head is None else self.lm_head
+        if not self.config.vocab_parallel:
+            logits = F.linear(h, head.weight)
+            if targets is None:
+                return logits
+            return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
+        # f: the head is column-parallel over the vocabulary, so dL/dh is all-reduced in backward.
+        logits = F.linear(copy_to_tp_region(h, self.group), head.weight)  # [b, s, Vp/t]
+        if targets is None:
+            return logits
+        losses = vocab_parallel_cross_entropy(
+            logits, targets, self.config.vocab_size, self.group, IGNORE
+        )
+        return losses.sum() / (targets != IGNORE).sum().clamp_min(1)
+
+    def full_logits(self, ids: torch.Tensor) -> torch.Tensor:
+        """Logits over the whole vocabulary [b, s, V] on every rank (gathers if vocab-parallel)."""
+        logits = self(ids)
+        if self.config.vocab_parallel:
+            return gather_logits(logits, self.config.vocab_size, self.group)
+        return logits
+
+    def grad_norm(self) -> torch.Tensor:
+        """L2 norm of the whole (dense) model's gradient, on every rank. 1 all-reduce.
+
+        Each rank sums the squares of its own gradients, dividing by how many ranks hold a copy
+        of each element (replicated norms and biases: t; shards: 1; replicated KV heads: their
+        replica count), so after the all-reduce every element is counted exactly once. Clipping
+        with a norm that counts replicated parameters t times (or shards only once) is a bug.
+        """
+        sq = torch.zeros((), dtype=torch.float64, device=next(self.parameters()).device)
+        for p in self.parameters():
+            if p.grad is not None:
+                copies = self._copies.get(id(p), self.tp)
+                sq += (p.grad.double().square() / copies).sum()
+        return collectives.all_reduce(sq, self.group).sqrt()
+
+    def _count_copies(self) -> dict[int, float | torch.Tensor]:
+        """{id(param): ranks holding a copy} for the parameters that are not fully replicated."""
+        copies: dict[int, float | torch.Tensor] = {}
+        for m in self.modules():
+            if isinstance(m, (ColumnParallelLinear, VocabParallelEmbedding)):
+                copies.update({id(p): 1.0 for p in m.parameters(recurse=False)})
+            elif isinstance(m, RowParallelLinear):
+                copies[id(m.weight)] = 1.0  # its bias is replicated
+            elif isinstance(m, ParallelAttention):
+                d = m.head_dim
+                rows = torch.ones(m.qkv_weight.shape[0], dtype=torch.float64)
+                rows[len(m.q_heads) * d :] = m.kv_replicas
+                copies[id(m.qkv_weight)] = rows.to(m.qkv_weight.device)[:, None]
+                if m.qkv_bias is not None:
+                    copies[id(m.qkv_bias)] = rows.to(m.qkv_bias.device)
+        return copies
+
+    def sync_grads(self) -> None:
+        """Gradient fix-ups TP needs after backward: replicated KV heads (tp > n_kv_heads)."""
+        for block in self.blocks:
+            block.attn.allreduce_replicated_kv_grads()
+
+    def gather_state_dict(self, grads: bool = False) -> dict[str, torch.Tensor]:
+        """The dense state dict (or dense-layout gradients) with DenseGPT's keys. Collective."""
+        out: dict[str, torch.Tensor] = {}
+
+        def put(name: str, value: torch.Tensor | None) -> None:
+            if value is not None:
+                out[name] = value.detach().clone()
+
+        def replicated(prefix: str, module: nn.Module) -> None:
+            for n, p in module.named_parameters():
+                put(f"{prefix}.{n}", p.grad if grads else p)
+
+        put("tok_emb.weight", _embedding_dense(self.tok_emb, grads))
+        if self.pos_emb is not None:
+            replicated("pos_emb", self.pos_emb)
+        for i, b in enumerate(self.blocks):
+            pre = f"blocks.{i}"
+            replicated(f"{pre}.norm1", b.norm1)
+            replicated(f"{pre}.norm2", b.norm2)
+            put(f"{pre}.attn.qkv.weight", b.attn.dense_qkv_weight(grads))
+            put(f"{pre}.attn.qkv.bias", b.attn.dense_qkv_bias(grads))
+            put(f"{pre}.attn.out.weight", b.attn.out_proj.dense_weight(grads))
+            put(f"{pre}.attn.out.bias", b.attn.out_proj.dense_bias(grads))
+            for name in ("fc1", "up", "fc2"):
+                layer = getattr(b.mlp, name)
+                if layer is not None:
+                    put(f"{pre}.mlp.{name}.weight", layer.dense_weight(grads))
+                    put(f"{pre}.mlp.{name}.bias", layer.dense_bias(grads))
+        replicated("norm_f", self.norm_f)
+        if self.lm_head is not None:
+            put("lm_head.weight", _embedding_dense(self.lm_head, grads))
+        return out
+
+
+def _embedding_dense(emb: nn.Module, grads: bool) -> torch.Tensor:
+    if isinstance(emb, VocabParallelEmbedding):
+        return emb.dense_grad() if grads else emb.dense_weight()
+    return emb.weight.grad if grads else emb.weight
