@@ -133,3 +133,24 @@ def test_training_steps_match_on_the_novel():
     assert single[-1] < single[0]  # it learns
     for step, (a, b) in enumerate(zip(single, double[0], strict=True)):
         assert a == pytest.approx(b, rel=2e-5), f"step {step}: tp=1 {a} vs tp=2 {b}"
+
+
+def chained_stages(name):
+    """Two pipeline stages on the same ranks, called one after the other, equal the full model."""
+    config = CONFIGS[name]
+    dense = dense_model(config)
+    ids, targets = batch(config)
+    first, last = (
+        TPGPT(dense, layers=range(0, 1)).double(),
+        TPGPT(dense, layers=range(1, 2)).double(),
+    )
+    loss = last(first(ids, step=2), targets, step=2)
+    keys = set(first.gather_state_dict()) | set(last.gather_state_dict())
+    return loss.item(), dense(ids, targets, step=2).item(), keys, set(dense.state_dict())
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_pipeline_stages_compose_to_the_full_model(name):
+    for loss, dense_loss, keys, dense_keys in launch(chained_stages, 2, name):
+        assert loss == pytest.approx(dense_loss, rel=1e-12)
+        assert keys == dense_keys  # together the stages hold every parameter, once

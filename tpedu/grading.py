@@ -7,6 +7,7 @@ the one indirection (an adapter, as in Stanford CS336) that lets the same tests 
 
     python -m tpedu.grading            # score exercises/ (what `make grade` runs)
     python -m tpedu.grading solutions  # the reference must get full marks
+    python -m tpedu.grading exercises l01_matmul_split   # just one exercise
 """
 
 from __future__ import annotations
@@ -115,14 +116,21 @@ class _Collector:
                 score.unfinished += 1
 
 
-def grade(kind: str = "exercises", quiet: bool = True) -> list[Score]:
-    """Run tests/exercises against `kind` and return one Score per exercise (never raises)."""
+def grade(
+    kind: str = "exercises", quiet: bool = True, names: list[str] | None = None
+) -> list[Score]:
+    """Run tests/exercises against `kind` and return one Score per exercise (never raises).
+
+    `names` limits the run to some exercises (default: all of them).
+    """
     import pytest
 
     os.environ["TPEDU_IMPL"] = kind
+    names = names or exercise_names()
     collector = _Collector()
-    args = [str(ROOT / "tests" / "exercises"), "-p", "no:cacheprovider", "-o", "addopts="]
-    args += ["-q", "--no-header", "-p", "no:terminal"] if quiet else []
+    files = [str(ROOT / "tests" / "exercises" / f"test_{n}.py") for n in names]
+    args = [*files, "-p", "no:cacheprovider", "-o", "addopts="]
+    args += ["-p", "no:terminal"] if quiet else []
     with open(os.devnull, "w") as devnull:
         saved = sys.stdout
         sys.stdout = devnull if quiet else saved
@@ -130,7 +138,7 @@ def grade(kind: str = "exercises", quiet: bool = True) -> list[Score]:
             pytest.main(args, plugins=[collector])
         finally:
             sys.stdout = saved
-    return [collector.scores.get(name, Score(name)) for name in exercise_names()]
+    return [collector.scores.get(name, Score(name)) for name in names]
 
 
 def table(scores: list[Score]) -> str:
@@ -149,7 +157,11 @@ def table(scores: list[Score]) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     kind = argv[0] if argv and argv[0] in KINDS else "exercises"
-    scores = grade(kind)
+    unknown = [a for a in argv if a not in KINDS and a != "--json" and a not in exercise_names()]
+    if unknown:
+        print(f"unknown exercise(s) {unknown}; choose from {exercise_names()}", file=sys.stderr)
+        return 2
+    scores = grade(kind, names=[a for a in argv if a in exercise_names()] or None)
     if "--json" in argv:
         print(json.dumps([asdict(s) | {"total": s.total, "status": s.status} for s in scores]))
     else:

@@ -147,7 +147,11 @@ class DenseGPT(nn.Module):
         self.apply(_init_weights)
 
     def hidden_states(self, ids: torch.Tensor, step: int = 0) -> torch.Tensor:
-        return _hidden_states(self, ids, step)
+        """Embeddings -> blocks -> final norm: ids [b, s] -> [b, s, H]."""
+        x = _embed(self, ids, step)
+        for block in self.blocks:
+            x = block(x, step)
+        return self.norm_f(x)
 
     def forward(self, ids: torch.Tensor, targets: torch.Tensor | None = None,
                 step: int = 0) -> torch.Tensor:  # fmt: skip
@@ -160,16 +164,13 @@ class DenseGPT(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
 
 
-def _hidden_states(model: DenseGPT | TPGPT, ids: torch.Tensor, step: int) -> torch.Tensor:
-    """Embeddings (+ positions) -> dropout -> blocks -> final norm: [b, s] -> [b, s, H]."""
+def _embed(model: DenseGPT | TPGPT, ids: torch.Tensor, step: int) -> torch.Tensor:
+    """Token embeddings (+ learned positions) -> dropout: [b, s] -> [b, s, H]."""
     x = model.tok_emb(ids)
     if model.pos_emb is not None:
         x = x + model.pos_emb(torch.arange(ids.shape[1], device=ids.device))
     seed = derive_seed(model.config.seed, EMBEDDING_DROPOUT_SITE, step)
-    x = index_dropout(x, model.config.dropout, seed, training=model.training)
-    for block in model.blocks:
-        x = block(x, step)
-    return model.norm_f(x)
+    return index_dropout(x, model.config.dropout, seed, training=model.training)
 
 
 def _init_weights(module: nn.Module) -> None:
@@ -203,29 +204,43 @@ class TPGPT(nn.Module):
 
     ids [b, s] (the same on every rank) -> this rank's logits [b, s, Vp/t] when vocab-parallel,
     else the full logits [b, s, V]; with targets, the mean loss (the same on every rank).
+
+    `layers` (default: all) makes this a pipeline *stage* holding only those blocks: the first
+    stage (layers start at 0) also holds the embeddings and takes ids; the others take the
+    previous stage's hidden states [b, s, H]. The last stage holds the final norm and the head
+    and returns logits or the loss; the others return hidden states. With tied embeddings and
+    more than one stage, the last stage keeps its own copy of the embedding table as the head;
+    the two copies' gradients must be summed over the first and last stage (lesson 10).
     """
 
-    def __init__(self, dense: DenseGPT, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(self, dense: DenseGPT, group: dist.ProcessGroup | None = None,
+                 layers: range | None = None) -> None:  # fmt: skip
         super().__init__()
         config = dense.config
         self.config, self.group = config, group
         self.tp = dist.get_world_size(group)
         config.check(self.tp)
-        if config.vocab_parallel:
-            self.tok_emb = VocabParallelEmbedding(dense.tok_emb.weight, group)
-        else:
-            self.tok_emb = ReplicatedEmbedding(dense.tok_emb.weight)
-        self.pos_emb = copy.deepcopy(dense.pos_emb)  # replicated: positions are not sharded
-        self.blocks = nn.ModuleList(TPBlock(b, group) for b in dense.blocks)
-        self.norm_f = copy.deepcopy(dense.norm_f)
-        self.lm_head = None
-        if dense.lm_head is not None:  # an untied head is split like the embedding: by vocab
-            w = dense.lm_head.weight
-            self.lm_head = (
-                VocabParallelEmbedding(w, group)
-                if config.vocab_parallel
-                else ReplicatedEmbedding(w)
+        layers = range(config.n_layers) if layers is None else layers
+        if not (0 <= layers.start <= layers.stop <= config.n_layers and layers.step == 1):
+            raise ValueError(
+                f"layers must be a contiguous range within [0, {config.n_layers}), got {layers}"
             )
+        self.layer_ids = list(layers)
+        self.first, self.last = layers.start == 0, layers.stop == config.n_layers
+        embedding = VocabParallelEmbedding if config.vocab_parallel else ReplicatedEmbedding
+
+        def table(weight: torch.Tensor) -> nn.Module:
+            return embedding(weight, group) if config.vocab_parallel else embedding(weight)
+
+        self.tok_emb = table(dense.tok_emb.weight) if self.first else None
+        self.pos_emb = copy.deepcopy(dense.pos_emb) if self.first else None  # replicated
+        self.blocks = nn.ModuleList(TPBlock(dense.blocks[i], group) for i in layers)
+        self.norm_f = copy.deepcopy(dense.norm_f) if self.last else None
+        self.lm_head = None
+        if self.last and dense.lm_head is not None:  # an untied head is split like the embedding
+            self.lm_head = table(dense.lm_head.weight)
+        elif self.last and not self.first:  # tied, on another stage: a copy of the table
+            self.lm_head = table(dense.tok_emb.weight)
         self._copies = self._count_copies()
 
     @classmethod
@@ -236,12 +251,15 @@ class TPGPT(nn.Module):
         dense.load_state_dict(state)
         return cls(dense, group)
 
-    def hidden_states(self, ids: torch.Tensor, step: int = 0) -> torch.Tensor:
-        return _hidden_states(self, ids, step)  # vocab-parallel embedding: 1 all-reduce
-
-    def forward(self, ids: torch.Tensor, targets: torch.Tensor | None = None,
+    def forward(self, inputs: torch.Tensor, targets: torch.Tensor | None = None,
                 step: int = 0) -> torch.Tensor:  # fmt: skip
-        h = self.hidden_states(ids, step)
+        """ids [b, s] (first stage) or hidden [b, s, H] -> logits / loss (last) or hidden."""
+        x = _embed(self, inputs, step) if self.first else inputs  # vocab-parallel: 1 all-reduce
+        for block in self.blocks:
+            x = block(x, step)
+        if not self.last:
+            return x
+        h = self.norm_f(x)
         head = self.tok_emb if self.lm_head is None else self.lm_head
         if not self.config.vocab_parallel:
             logits = F.linear(h, head.weight)
@@ -302,7 +320,10 @@ class TPGPT(nn.Module):
             block.attn.allreduce_replicated_kv_grads()
 
     def gather_state_dict(self, grads: bool = False) -> dict[str, torch.Tensor]:
-        """The dense state dict (or dense-layout gradients) with DenseGPT's keys. Collective."""
+        """The dense state dict (or dense-layout gradients) with DenseGPT's keys. Collective.
+
+        A pipeline stage returns only the keys it holds (blocks under their global index).
+        """
         out: dict[str, torch.Tensor] = {}
 
         def put(name: str, value: torch.Tensor | None) -> None:
@@ -313,10 +334,11 @@ class TPGPT(nn.Module):
             for n, p in module.named_parameters():
                 put(f"{prefix}.{n}", p.grad if grads else p)
 
-        put("tok_emb.weight", _embedding_dense(self.tok_emb, grads))
+        if self.first:
+            put("tok_emb.weight", _embedding_dense(self.tok_emb, grads))
         if self.pos_emb is not None:
             replicated("pos_emb", self.pos_emb)
-        for i, b in enumerate(self.blocks):
+        for i, b in zip(self.layer_ids, self.blocks, strict=True):
             pre = f"blocks.{i}"
             replicated(f"{pre}.norm1", b.norm1)
             replicated(f"{pre}.norm2", b.norm2)
@@ -329,8 +351,9 @@ class TPGPT(nn.Module):
                 if layer is not None:
                     put(f"{pre}.mlp.{name}.weight", layer.dense_weight(grads))
                     put(f"{pre}.mlp.{name}.bias", layer.dense_bias(grads))
-        replicated("norm_f", self.norm_f)
-        if self.lm_head is not None:
+        if self.last:
+            replicated("norm_f", self.norm_f)
+        if self.lm_head is not None and not self.config.tie_embeddings:
             put("lm_head.weight", _embedding_dense(self.lm_head, grads))
         return out
 

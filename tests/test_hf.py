@@ -1,0 +1,57 @@
+"""Hugging Face GPT-2 weights in the tensor-parallel GPT give GPT-2's own logits, at tp 1, 2, 4,
+with GPT-2's real vocabulary size 50257 (padded at tp > 1). Nothing is downloaded: a small,
+randomly initialised GPT2LMHeadModel is built locally."""
+
+import pytest
+import torch
+import transformers
+
+from tpedu import hf, launch
+from tpedu.model import TPGPT, DenseGPT
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=50257, n_positions=16, n_embd=32, n_layer=2, n_head=4)
+    model = transformers.GPT2LMHeadModel(cfg).double().eval()
+    ids = torch.randint(0, 50257, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits = model(ids).logits
+    return model, ids, logits
+
+
+def tp_logits(config, state, ids):
+    model = TPGPT.from_state_dict(config, state).double().eval()
+    with torch.no_grad():
+        return model.full_logits(ids)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_gpt2_weights_give_gpt2_logits(gpt2, tp):
+    model, ids, expected = gpt2
+    config = hf.config_from_hf(model.config)
+    state = hf.state_from_hf(model.state_dict(), config)
+    for logits in launch(tp_logits, tp, config, state, ids):
+        assert logits.shape == (2, 12, 50257)  # the padding never reaches the logits
+        # float64; only reordered sums differ (≈1e-16 relative per reduction)
+        torch.testing.assert_close(logits, expected, rtol=1e-10, atol=1e-10)
+
+
+def test_export_round_trips_into_transformers(gpt2):
+    model, ids, expected = gpt2
+    config = hf.config_from_hf(model.config)
+    dense = DenseGPT(config).double().eval()
+    dense.load_state_dict(hf.state_from_hf(model.state_dict(), config))
+    exported = transformers.GPT2LMHeadModel(hf.hf_config(config)).double().eval()
+    exported.load_state_dict(hf.state_to_hf(dense.state_dict(), config))
+    with torch.no_grad():
+        torch.testing.assert_close(exported(ids).logits, expected, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(dense(ids), expected, rtol=1e-10, atol=1e-10)
+
+
+def test_non_gpt2_configs_cannot_be_exported():
+    from tpedu.model import GPTConfig
+
+    with pytest.raises(ValueError, match="GPT-2 needs norm='layernorm'"):
+        hf.state_to_hf({}, GPTConfig.llama_like(100))
