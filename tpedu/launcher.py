@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import datetime
+import importlib
 import multiprocessing as mp
 import os
 import pickle
@@ -182,6 +183,10 @@ def launch(
             "Launch ranks before any CUDA call in this process (restart the kernel), "
             "and let each rank touch its own GPU."
         )
+    # Autograd imports this (and sympy, ≈1-5 s) the first time backward gets a non-scalar
+    # gradient; importing it once here saves every forked rank from paying for it again.
+    importlib.import_module("torch.fx.experimental.symbolic_shapes")
+
     job = _Job(fn, args, kwargs, world_size, backend or default_backend(world_size), timeout,
                threads, stream)  # fmt: skip
     for _ in range(3):

@@ -1,0 +1,6 @@
+"""Reference for exercises/l00_memory_ledger.py."""
+
+# the reference lives in tpedu/memory.py
+from tpedu.memory import embedding_bytes, gpt_params, training_bytes
+
+__all__ = ["embedding_bytes", "gpt_params", "training_bytes"]

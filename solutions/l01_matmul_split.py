@@ -1,0 +1,11 @@
+"""Reference for exercises/l01_matmul_split.py."""
+
+# the reference lives in tpedu/matmul_split.py
+from tpedu.matmul_split import (
+    column_parallel_matmul,
+    row_parallel_matmul,
+    split_columns,
+    split_rows,
+)
+
+__all__ = ["column_parallel_matmul", "row_parallel_matmul", "split_columns", "split_rows"]

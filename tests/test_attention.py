@@ -1,0 +1,174 @@
+"""ParallelAttention == DenseAttention, forward and backward, MHA and GQA, dropout on.
+
+float64 throughout: the TP result differs from the dense one only by the order of the out
+projection's sum (partial sums per rank, then the all-reduce), so agreement is ~1e-16 relative;
+1e-12 absolute on O(1) values leaves room for that and still catches any wrong row or head.
+"""
+
+import pytest
+import torch
+
+import tpedu
+from tpedu.attention import ParallelAttention, check_heads, local_heads, qkv_rows, split_qkv
+from tpedu.dense import DenseAttention
+from tpedu.tracer import CommTracer
+
+TOL = 1e-12
+
+
+def _dense(nq, nkv, hidden=10, head_dim=3, p=0.3, seed=0, bias=True):
+    torch.manual_seed(seed)
+    return DenseAttention(hidden, nq, nkv, head_dim=head_dim, bias=bias, dropout_p=p,
+                          dropout_seed=1234, dtype=torch.float64)  # fmt: skip
+
+
+def _max(a, b):
+    return (a - b).abs().max().item()
+
+
+def _compare_worker(nq, nkv, b, s, bias=True):
+    dev = tpedu.device()
+    dense = _dense(nq, nkv, bias=bias).to(dev)
+    par = ParallelAttention.from_dense(dense).to(dev)
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(b, s, dense.qkv.in_features, generator=g, dtype=torch.float64).to(dev)
+    w = torch.randn(b, s, dense.qkv.in_features, generator=g, dtype=torch.float64).to(dev)
+    xd, xp = x.clone().requires_grad_(), x.clone().requires_grad_()
+
+    yd = dense(xd, step=3)
+    (yd * w).sum().backward()
+    with CommTracer() as tr:
+        yp = par(xp, step=3)
+        (yp * w).sum().backward()
+    out = {"fwd": _max(yp, yd), "dx": _max(xp.grad, xd.grad)}
+    out["dWo"] = _max(par.out_proj.dense_weight(grad=True), dense.out.weight.grad)
+    out["dbo"] = _max(par.out_proj.dense_bias(grad=True), dense.out.bias.grad) if bias else 0.0
+    if par.kv_replicas > 1:  # before the sync a replica holds only its own q heads' share
+        out["unsynced"] = _max(par.dense_qkv_weight(grad=True), dense.qkv.weight.grad)
+    par.allreduce_replicated_kv_grads()
+    out["dWqkv"] = _max(par.dense_qkv_weight(grad=True), dense.qkv.weight.grad)
+    out["dbqkv"] = _max(par.dense_qkv_bias(grad=True), dense.qkv.bias.grad) if bias else 0.0
+    out["Wqkv"] = _max(par.dense_qkv_weight(), dense.qkv.weight)
+    n = b * s * dense.qkv.in_features
+    out["comm"] = (
+        tr.count("all_reduce", "forward"),
+        tr.numel("all_reduce", "forward"),
+        tr.count("all_reduce", "backward"),
+        tr.numel("all_reduce", "backward"),
+        tr.count(),
+        n,
+    )
+    # dropout really acts: the same model without dropout gives another output
+    dense.dropout_p = 0.0
+    out["dropout_effect"] = _max(dense(x, step=3), yd)
+    return out
+
+
+CASES = [
+    (6, 6, 1),  # MHA
+    (6, 6, 2),
+    (6, 6, 3),
+    (4, 4, 4),
+    (8, 2, 2),  # GQA, nkv == tp
+    (8, 4, 2),  # GQA, nkv > tp
+    (8, 2, 4),  # GQA, nkv < tp: KV heads replicated on 2 ranks each
+    (6, 1, 3),  # MQA: one KV head replicated on every rank
+]
+
+
+@pytest.mark.parametrize("nq,nkv,tp,bias", [(*c, True) for c in CASES] + [(8, 2, 4, False)])
+def test_parallel_equals_dense(nq, nkv, tp, bias):
+    for r, out in enumerate(tpedu.launch(_compare_worker, tp, nq, nkv, 2, 5, bias)):
+        for key in ("fwd", "dx", "dWo", "dbo", "dWqkv", "dbqkv", "Wqkv"):
+            assert out[key] < TOL, f"rank {r}: max |{key} parallel - dense| = {out[key]:.3e}"
+        fc, fn, bc, bn, total, n = out["comm"]
+        assert (fc, fn, bc, bn, total) == (1, n, 1, n, 2), (
+            f"rank {r}: expected 1 all-reduce of b·s·H={n} forward and 1 backward, got "
+            f"fwd {fc} calls/{fn} elements, bwd {bc}/{bn}, {total} collectives in all"
+        )
+        assert out["dropout_effect"] > 1e-3, "dropout had no effect: the test would prove nothing"
+        if "unsynced" in out:
+            assert out["unsynced"] > 1e-3, "replicated KV grads matched before the sync?"
+
+
+def _naive_chunk_worker():
+    dense = _dense(4, 4, p=0.0)
+    par = ParallelAttention.from_dense(dense)
+    x = torch.randn(2, 5, 10, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    right = _max(par(x), dense(x))
+    t, r = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    with torch.no_grad():  # the classic bug: chunk the fused [q|k|v] rows like a plain column
+        par.qkv_weight.copy_(dense.qkv.weight.chunk(t)[r])
+        par.qkv_bias.copy_(dense.qkv.bias.chunk(t)[r])
+    return right, _max(par(x), dense(x))
+
+
+def test_naive_chunk_of_fused_qkv_is_wrong():
+    for right, wrong in tpedu.launch(_naive_chunk_worker, 2):
+        assert right < TOL, f"max |parallel - dense| = {right:.3e}"
+        assert wrong > 1e-2, f"naive chunking should be wrong, max diff only {wrong:.3e}"
+
+
+def test_eval_mode_steps_and_non_causal():
+    """Different steps draw different masks; eval mode switches dropout off in both models;
+    without the causal mask TP still equals dense."""
+
+    def worker():
+        dense = _dense(4, 2)
+        par = ParallelAttention.from_dense(dense)
+        x = torch.randn(1, 6, 10, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+        steps = _max(dense(x, step=1), dense(x, step=2))
+        tp_step = _max(par(x, step=2), dense(x, step=2))
+        dense.eval(), par.eval()
+        ev, ev_steps = _max(par(x), dense(x)), _max(dense(x, step=1), dense(x, step=2))
+        causal = dense(x)
+        dense.causal = par.causal = False  # bidirectional attention splits by heads just the same
+        return steps, tp_step, ev, ev_steps, _max(par(x), dense(x)), _max(dense(x), causal)
+
+    for steps, tp_step, ev, ev_steps, full, mask_effect in tpedu.launch(worker, 2):
+        assert steps > 1e-3 and ev_steps == 0.0 and mask_effect > 1e-3
+        assert max(tp_step, ev, full) < TOL, f"max diff {max(tp_step, ev, full):.3e}"
+
+
+def test_layout_covers_every_row_once():
+    """Without replication the ranks' rows partition the fused weight; with it, k/v repeat."""
+    nq, nkv, d = 8, 4, 3
+    for tp in (1, 2, 4):
+        rows = torch.cat([qkv_rows(nq, nkv, d, tp, r) for r in range(tp)])
+        assert sorted(rows.tolist()) == list(range((nq + 2 * nkv) * d))
+    # tp=8 > nkv=4: rank r holds q head r and KV head r // 2
+    for r in range(8):
+        q, kv = local_heads(nq, nkv, 8, r)
+        assert q == [r] and kv == [r // 2]
+        rows = qkv_rows(nq, nkv, d, 8, r).tolist()
+        k0, v0 = nq * d + kv[0] * d, (nq + nkv) * d + kv[0] * d
+        want = [*range(r * d, r * d + d), *range(k0, k0 + d), *range(v0, v0 + d)]
+        assert rows == want, f"rank {r}: rows {rows}, expected {want}"
+    w = torch.arange((nq + 2 * nkv) * d, dtype=torch.float64)[:, None].repeat(1, 5)
+    assert torch.equal(split_qkv(w, nq, nkv, 8, 3)[:, 0].long(), qkv_rows(nq, nkv, d, 8, 3))
+
+
+@pytest.mark.parametrize(
+    "nq,nkv,tp,msg",
+    [
+        (8, 8, 3, "8 heads are not divisible by tp=3; valid tp values: 1, 2, 4, 8"),
+        (12, 4, 6, "4 KV heads can be neither split over nor replicated across tp=6"),
+        (12, 4, 6, "valid tp values: 1, 2, 4, 12"),
+        (6, 4, 2, "n_heads = 6 must be a positive multiple of n_kv_heads = 4"),
+    ],
+)
+def test_divisibility_errors(nq, nkv, tp, msg):
+    with pytest.raises(ValueError, match=msg):
+        check_heads(nq, nkv, tp)
+
+
+def test_construction_error_names_the_numbers():
+    def worker():
+        try:
+            ParallelAttention.from_dense(_dense(4, 4))
+        except ValueError as e:
+            return str(e)
+        return "no error"
+
+    for msg in tpedu.launch(worker, 3):
+        assert msg == "4 heads are not divisible by tp=3; valid tp values: 1, 2, 4", msg
