@@ -1,0 +1,56 @@
+"""Exercise l07: assemble a tensor-parallel transformer block from tpedu's layers (seed §4.3).
+
+`tpedu.model.DenseBlock` is a pre-norm block (LayerNorm or RMSNorm, dropout as `index_dropout`):
+
+    x -> x + drop(attn(norm1(x)))        (attention's out projection: 1 all-reduce forward)
+      -> x + mlp(norm2(x))               (the MLP drops its own output; fc2: 1 all-reduce forward)
+
+Its tensor-parallel version replaces the parts, nothing else (seed §4.3: "替换零件"):
+
+    norm1, norm2   replicated: a COPY on every rank (copy.deepcopy), never the dense module itself
+    attn           tpedu.attention.ParallelAttention.from_dense(dense.attn, group)
+    mlp            tpedu.mlp.ParallelMLP.from_dense(dense.mlp, group)
+
+The residual stream x [b, s, H] stays full and identical on every rank, so the block adds no
+communication of its own: exactly 2 all-reduces of b·s·H forward and 2 backward, all inside the
+layers. Dropout after attention must use the dense block's mask (same seed, step and call site):
+
+    from tpedu.dropout import derive_seed, index_dropout
+    from tpedu.model import ATTENTION_OUTPUT_DROPOUT_SITE
+    seed = derive_seed(dense.seed, ATTENTION_OUTPUT_DROPOUT_SITE, step)
+    index_dropout(a, dense.p, seed, training=self.training)    # the full tensor: offsets 0
+
+Keep the attribute names norm1, norm2, attn, mlp, seed, p: the tests read the gradients through
+them. Fill in both methods, then run `make grade`. The reference is tpedu/model.py (TPBlock).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tpedu.model import DenseBlock
+
+
+class TPBlock(nn.Module):
+    """DenseBlock sharded over the TP group `group`: norms replicated, attention and MLP split.
+
+    forward x [b, s, H] (the same on every rank) -> [b, s, H] (the same on every rank), equal to
+    `dense(x, step)`. Forward: 2 all-reduces of b·s·H; backward: 2 all-reduces of b·s·H.
+    """
+
+    def __init__(self, dense: DenseBlock, group: dist.ProcessGroup | None) -> None:
+        """Build from `dense` (identical on every rank); keep its dropout seed and probability."""
+        raise NotImplementedError(
+            "hint: super().__init__(); self.seed, self.p = dense.seed, dense.p; deep-copy norm1 "
+            "and norm2; attn = ParallelAttention.from_dense(dense.attn, group); mlp likewise"
+        )
+
+    def forward(self, x: torch.Tensor, step: int = 0) -> torch.Tensor:
+        """x [b, s, H] -> [b, s, H]; `step` selects this step's dropout masks."""
+        raise NotImplementedError(
+            "hint: a = self.attn(self.norm1(x), step); x = x + index_dropout(a, ...) with "
+            "derive_seed(self.seed, ATTENTION_OUTPUT_DROPOUT_SITE, step); "
+            "return x + self.mlp(self.norm2(x), step)"
+        )

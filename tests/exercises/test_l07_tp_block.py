@@ -1,0 +1,136 @@
+"""Grades exercises/l07_tp_block.py: a tensor-parallel block assembled from tpedu's layers.
+
+Every rank builds the same DenseBlock (float64, dropout 0.1 on, random norm weights so swapping
+norm1 and norm2 shows), shards it with the learner's TPBlock, and runs one forward and backward
+with the same input and output gradient. Compared with the DenseBlock: the output, dL/dx, and
+every parameter gradient in the dense layout (gathered through the tpedu layers' helpers).
+
+Tolerance 1e-11 absolute: in float64 the only differences are sums reordered by the row-parallel
+all-reduces (≈1e-16 relative each) on values of magnitude <= ~50; a missing dropout, a wrong
+step, a shared (not copied) norm or a missing residual changes results by >= 1e-3.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import tpedu
+from tpedu.grading import implementation
+from tpedu.model import DenseBlock, GPTConfig
+from tpedu.tracer import CommTracer
+
+NAME = "l07_tp_block"
+TOL = 1e-11
+B, S = 3, 7  # uneven on purpose
+
+# 12 heads, ffn 192: splits at tp 1, 2, 3, 4. GELU-tanh, LayerNorm with bias, biases everywhere.
+GPT2 = GPTConfig.gpt2_like(37, seq_len=16, hidden=48, n_heads=12, dropout=0.1, seed=5)
+# GQA (2 KV heads: split at tp 2, replicated at tp 4), RoPE, RMSNorm, SwiGLU, no biases.
+LLAMA = GPTConfig.llama_like(37, seq_len=16, hidden=32, n_heads=4, dropout=0.1, seed=6)
+
+
+def _dense_grads(dense: DenseBlock) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in dense.named_parameters()}
+
+
+def _tp_grads(block: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The block's gradients in DenseBlock's layout and names (collective: all-gathers)."""
+    out = {f"norm1.{n}": p.grad for n, p in block.norm1.named_parameters()}
+    out |= {f"norm2.{n}": p.grad for n, p in block.norm2.named_parameters()}
+    attn, mlp = block.attn, block.mlp
+    out["attn.qkv.weight"] = attn.dense_qkv_weight(grad=True)
+    out["attn.qkv.bias"] = attn.dense_qkv_bias(grad=True)
+    out["attn.out.weight"] = attn.out_proj.dense_weight(grad=True)
+    out["attn.out.bias"] = attn.out_proj.dense_bias(grad=True)
+    for name in ("fc1", "up", "fc2"):
+        layer = getattr(mlp, name)
+        if layer is not None:
+            out[f"mlp.{name}.weight"] = layer.dense_weight(grad=True)
+            out[f"mlp.{name}.bias"] = layer.dense_bias(grad=True)
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def _worker(config: GPTConfig, step: int) -> dict:
+    m = implementation(NAME)
+    torch.manual_seed(0)
+    dense = DenseBlock(config, layer=1).double()
+    with torch.no_grad():  # non-trivial norms: norm1 and norm2 must not be interchangeable
+        for p in [*dense.norm1.parameters(), *dense.norm2.parameters()]:
+            p.add_(torch.randn_like(p) * 0.5)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(B, S, config.hidden, generator=g, dtype=torch.float64)
+    dy = torch.randn(B, S, config.hidden, generator=g, dtype=torch.float64)
+
+    block = m.TPBlock(dense, None)  # built first: a norm shared with `dense` gets both gradients
+    xd = x.clone().requires_grad_()
+    yd = dense(xd, step)
+    (yd * dy).sum().backward()
+    dense_grads = _dense_grads(dense)  # a snapshot: a shared norm would add the TP gradient to it
+    with CommTracer() as trace:
+        xt = x.clone().requires_grad_()
+        yt = block(xt, step)
+        (yt * dy).sum().backward()
+    block.attn.allreduce_replicated_kv_grads()  # GQA with tp > n_kv_heads: replicas' partials
+
+    diffs = {
+        "output": (yt - yd).abs().max().item(),
+        "dL/dx": (xt.grad - xd.grad).abs().max().item(),
+    }
+    tp_grads = _tp_grads(block)
+    if tp_grads.keys() != dense_grads.keys():
+        raise AssertionError(f"gradients {sorted(tp_grads)} != dense {sorted(dense_grads)}")
+    diffs |= {f"grad {k}": (tp_grads[k] - dense_grads[k]).abs().max().item() for k in dense_grads}
+    return {
+        "diffs": diffs,
+        "calls": [(r.op, r.phase, r.numel) for r in trace.records],
+        "params": sum(p.numel() for p in block.parameters()),
+        "dense_params": sum(p.numel() for p in dense.parameters()),
+        "tp": dist.get_world_size(),
+    }
+
+
+def _check_equal(config: GPTConfig, tp: int) -> list[dict]:
+    out = tpedu.launch(_worker, tp, config, 3)
+    for rank, r in enumerate(out):
+        worst = max(r["diffs"], key=r["diffs"].get)
+        assert r["diffs"][worst] < TOL, (
+            f"tp={tp} rank {rank}: max |tp - dense| of {worst} = {r['diffs'][worst]:.3e} "
+            f"(tolerance {TOL:.0e})"
+        )
+    return out
+
+
+def _check_contract(out: list[dict], hidden: int) -> None:
+    n = B * S * hidden
+    for rank, r in enumerate(out):
+        expected = [("all_reduce", "forward", n)] * 2 + [("all_reduce", "backward", n)] * 2
+        assert r["calls"] == expected, (
+            f"rank {rank}: expected 2 all-reduces of b·s·H = {n} elements forward and 2 backward "
+            f"(and nothing else); got (op, phase, numel) = {r['calls']}"
+        )
+
+
+@pytest.mark.parametrize("tp", [1, 2, 3, 4])
+def test_block_equals_dense(tp):
+    """Forward, dL/dx and all parameter gradients equal the DenseBlock's, dropout on."""
+    _check_equal(GPT2, tp)
+
+
+def test_communication_contract_and_sharding():
+    """tp=2: exactly 2 all-reduces of b·s·H forward and 2 backward; attention and MLP are split."""
+    out = _check_equal(GPT2, 2)
+    _check_contract(out, GPT2.hidden)
+    h, f = GPT2.hidden, GPT2.ffn
+    replicated = 4 * h + h + h  # two LayerNorms (weight, bias), the out-projection and fc2 biases
+    split = (3 * h * h + 3 * h) + h * h + (h * f + f) + f * h  # qkv, out weight, fc1, fc2 weight
+    assert out[0]["dense_params"] == replicated + split
+    assert out[0]["params"] == replicated + split // 2, (
+        f"per-rank parameters {out[0]['params']}, expected {replicated + split // 2}: "
+        "attention and MLP weights must be sharded, norms replicated"
+    )
+
+
+def test_gqa_llama_block():
+    """RMSNorm, RoPE, SwiGLU, 2 KV heads: split at tp=2, replicated at tp=4; same contract."""
+    for tp in (2, 4):
+        _check_contract(_check_equal(LLAMA, tp), LLAMA.hidden)
