@@ -23,7 +23,8 @@ $(STAMP): pyproject.toml
 
 lab: $(STAMP)
 	@echo "Serving the course; open the URL printed below (with its token) in a browser."
-	$(VENV)/bin/jupyter lab --no-browser --ip=127.0.0.1 --port=$(PORT) --notebook-dir=notebooks
+	$(VENV)/bin/jupyter lab --no-browser --ip=127.0.0.1 --port=$(PORT) --notebook-dir=notebooks \
+		$(if $(filter 0,$(shell id -u)),--allow-root)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
