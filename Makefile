@@ -53,7 +53,7 @@ clean:
 
 # The main job: train a small GPT on 红楼梦 with tensor parallelism (tp=2, CPU ranks) for a few
 # minutes, then continue a prompt from the novel with it.
-DEMO_ARGS ?= --layers 4 --hidden 128 --heads 4 --seq 128 --batch 16 --steps 400 --lr 3e-3 --eval-every 100
+DEMO_ARGS ?= --layers 4 --hidden 128 --heads 4 --seq 128 --batch 16 --steps 300 --lr 3e-3 --eval-every 100
 demo: $(STAMP)
 	$(PY) -m tpedu train --tp 2 $(DEMO_ARGS) --out runs/demo
 	$(PY) -m tpedu generate --tp 2 --model runs/demo --prompt "却说宝玉" --max-new-tokens 200

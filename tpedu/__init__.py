@@ -25,6 +25,13 @@ Modules, one idea each:
     batches         packed and dynamically padded batches
     train           the training loop, saving, generation
     hf              Hugging Face GPT-2 import and export
+    sequence_parallel  the sequence-parallel operators (all-gather / reduce-scatter on s)
+    activation_memory  bytes saved for backward, measured per sub-module
+    mesh            the (tp, pp, dp) layout and its process groups
+    pipeline        stages and schedules (GPipe, 1F1B, interleaved) with event logs
+    data_parallel   bucketed gradient all-reduce from backward hooks, ZeRO-1
+    checkpoint      sharded, atomic, validated checkpoints; resharding on load
+    reshard         merge and re-split column / row / QKV / vocab shards
     grading         the exercise grader behind `make grade`
 """
 

@@ -6,8 +6,10 @@
 Subcommands:
     hello       every rank reports in; an all-reduce is checked against its formula
     commbench   time collectives, fit the α-β model, print predicted vs measured
-    train       train the tensor-parallel GPT on 红楼梦 (--tp N ranks), print a JSON summary
+    train       train the tensor-parallel GPT on 红楼梦 (--tp N ranks), print a JSON summary;
+                with --pp P --dp D: 3D parallel on tp·pp·dp ranks
     generate    continue a prompt with a trained model (--model DIR --prompt ...)
+    reshard     rewrite a sharded checkpoint for another (tp, pp, dp), or export it (one process)
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch.distributed as dist
 
 from tpedu import collectives as C
 from tpedu import cost_model
-from tpedu.launcher import RankError, device, run, under_torchrun
+from tpedu.launcher import LaunchTimeout, RankError, device, run, under_torchrun
 
 
 def hello() -> dict:
@@ -62,7 +64,8 @@ def _common(s: argparse.ArgumentParser, ranks_flag: str = "--nprocs") -> None:
     s.add_argument(ranks_flag, type=int, default=2, dest="nprocs",
                    help="local ranks (under torchrun: must equal the world size)")  # fmt: skip
     s.add_argument("--backend", choices=["gloo", "nccl"], default=None)
-    s.add_argument("--timeout", type=float, default=600.0, help="seconds before a hang errors")
+    s.add_argument("--timeout", type=float, default=600.0,
+                   help="seconds a rank may wait on the others before the run fails as a hang")  # fmt: skip
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -91,10 +94,22 @@ def _parser() -> argparse.ArgumentParser:
     tr.add_argument("--bpe-vocab", type=int, default=4096)
     tr.add_argument("--replicated-embedding", action="store_true",
                     help="keep the whole embedding on every rank instead of splitting the vocabulary")  # fmt: skip
+    tr.add_argument("--sequence-parallel", action="store_true",
+                    help="shard norms, dropout and residuals along the sequence (lesson 08)")  # fmt: skip
     tr.add_argument("--eval-every", type=int, default=50)
     tr.add_argument("--seed", type=int, default=0)
     tr.add_argument("--out", default=None, help="directory to save the trained model in")
     tr.add_argument("--json", default=None, help="also write the full summary (all losses) here")
+    tr.add_argument("--pp", type=int, default=1, help="pipeline stages (lesson 10)")
+    tr.add_argument("--dp", type=int, default=1, help="data-parallel replicas (lesson 11)")
+    tr.add_argument("--micro-batches", type=int, default=None,
+                    help="micro-batches per step with --pp (default: the largest ≤ 2·pp dividing batch/dp)")  # fmt: skip
+    tr.add_argument("--zero1", action="store_true", help="shard AdamW's states over --dp ranks")
+    tr.add_argument("--ckpt-dir", default=None, help="write sharded checkpoints here (lesson 13)")
+    tr.add_argument("--save-every", type=int, default=0,
+                    help="checkpoint every N steps (and at the end) into --ckpt-dir")  # fmt: skip
+    tr.add_argument("--resume", default=None,
+                    help="continue from this checkpoint (any layout; its model config is used)")  # fmt: skip
 
     gen = sub.add_parser("generate", help="continue a prompt with a trained model")
     _common(gen, "--tp")
@@ -104,11 +119,24 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.8)
     gen.add_argument("--top-k", type=int, default=50)
     gen.add_argument("--seed", type=int, default=0)
+
+    rs = sub.add_parser("reshard", help="rewrite a checkpoint for another layout, or export it")
+    rs.add_argument("src", help="a checkpoint (step dir, or its parent with `latest`), or a dense "
+                    "model dir (`train --out`) to import")  # fmt: skip
+    rs.add_argument("--out", required=True, help="the new checkpoint's (or export's) directory")
+    rs.add_argument("--tp", type=int, default=1)
+    rs.add_argument("--pp", type=int, default=1)
+    rs.add_argument("--dp", type=int, default=1)
+    rs.add_argument("--zero1", action="store_true", help="record a ZeRO-1 layout")
+    rs.add_argument("--to", choices=["sharded", "dense", "hf"], default="sharded",
+                    help="dense: a `train --out` model dir; hf: GPT-2 for transformers")  # fmt: skip
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "reshard":  # one process, no ranks
+        return _reshard(args)
     _check_ranks(args)
     try:
         if args.command == "hello":
@@ -120,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
             return _train(args)
         else:
             return _generate(args)
-    except RankError as e:
+    except (RankError, LaunchTimeout) as e:
         print(f"tpedu {args.command}: {e}", file=sys.stderr)
         return 1
     return 0
@@ -130,23 +158,34 @@ def _check_ranks(args: argparse.Namespace) -> None:
     flag = "--tp" if args.command in ("train", "generate") else "--nprocs"
     if args.nprocs < 1:
         _fail(f"{flag} must be at least 1, got {args.nprocs}")
+    for name in ("pp", "dp"):  # train's 3D layout: tp·pp·dp ranks
+        if getattr(args, name, 1) < 1:
+            _fail(f"--{name} must be at least 1, got {getattr(args, name)}")
+    others = getattr(args, "pp", 1) * getattr(args, "dp", 1)
     if under_torchrun():
         world = int(os.environ["WORLD_SIZE"])
-        if flag == "--tp" and args.nprocs != world:
+        if flag == "--tp" and others > 1 and args.nprocs * others != world:
+            _fail(f"--tp {args.nprocs} × --pp {args.pp} × --dp {args.dp} = "
+                  f"{args.nprocs * others} ranks does not match torchrun's world size {world}; "
+                  f"choose tp·pp·dp = {world} or start {args.nprocs * others} processes")  # fmt: skip
+        if flag == "--tp" and others == 1 and args.nprocs != world:
             _fail(f"--tp {args.nprocs} does not match torchrun's world size {world}; "
                   f"pass --tp {world} or start {args.nprocs} processes")  # fmt: skip
-        args.nprocs = world
+        args.nprocs = world // others
         return
     cores = os.cpu_count() or 1
-    if args.backend != "nccl" and args.nprocs > 4 * cores:
-        _fail(f"{flag} {args.nprocs} is more than 4 ranks per core on this {cores}-core "
+    if args.backend != "nccl" and args.nprocs * others > 4 * cores:
+        what = f"{flag} {args.nprocs}" if others == 1 else f"tp·pp·dp = {args.nprocs * others}"
+        _fail(f"{what} is more than 4 ranks per core on this {cores}-core "
               "machine; use fewer ranks or a bigger machine")  # fmt: skip
 
 
 def _train(args: argparse.Namespace) -> int:
     from tpedu.model import GPTConfig
-    from tpedu.train import TrainConfig, novel_data, train
+    from tpedu.train import TrainConfig, novel_data, train, train_3d
 
+    if args.pp * args.dp > 1 or args.micro_batches or args.zero1:
+        _check_layout(args)
     try:
         tok, train_ids, val_ids = novel_data(args.tokenizer, args.bpe_vocab)
     except FileNotFoundError as e:
@@ -155,21 +194,93 @@ def _train(args: argparse.Namespace) -> int:
     kv = {"n_kv_heads": args.kv_heads} if args.kv_heads or args.arch == "gpt2" else {}
     config = preset(tok.vocab_size, seq_len=args.seq, n_layers=args.layers, hidden=args.hidden,
                     n_heads=args.heads, dropout=args.dropout,
-                    vocab_parallel=not args.replicated_embedding, **kv)  # fmt: skip
+                    vocab_parallel=not args.replicated_embedding,
+                    sequence_parallel=args.sequence_parallel, **kv)  # fmt: skip
+    config = _resume_config(args, config, tok.vocab_size)
     try:
         config.check(args.nprocs)
     except ValueError as e:
         _fail(str(e))
     cfg = TrainConfig(steps=args.steps, batch=args.batch, lr=args.lr, min_lr=args.lr / 10,
                       warmup=min(20, args.steps // 10 + 1), eval_every=args.eval_every,
-                      seed=args.seed)  # fmt: skip
-    results = run(train, args.nprocs, config, cfg, train_ids, val_ids, args.out, tok,
-                  backend=args.backend, timeout=args.timeout, stream=True)  # fmt: skip
+                      seed=args.seed, ckpt_dir=args.ckpt_dir, save_every=args.save_every,
+                      resume=args.resume)  # fmt: skip
+    if args.pp * args.dp > 1 or args.micro_batches or args.zero1:
+        results = run(train_3d, args.nprocs * args.pp * args.dp, config, cfg, train_ids,
+                      val_ids, args.nprocs, args.pp, args.dp, args.micro_batches, args.zero1,
+                      out=args.out, tok=tok, backend=args.backend, timeout=None,
+                      collective_timeout=args.timeout, stream=True)  # fmt: skip
+    else:
+        results = run(train, args.nprocs, config, cfg, train_ids, val_ids, args.out, tok,
+                      backend=args.backend, timeout=None, collective_timeout=args.timeout,
+                      stream=True)  # fmt: skip
     if int(os.environ.get("RANK", "0")) == 0:
         summary = results[0]
         if args.json:
             Path(args.json).write_text(json.dumps(summary, indent=2))
         print(json.dumps({k: v for k, v in summary.items() if k != "losses"}, indent=2))
+    return 0
+
+
+def _check_layout(args: argparse.Namespace) -> None:
+    """The 3D layout's one-line errors, before any rank starts."""
+    from tpedu.pipeline import partition
+
+    if args.batch % args.dp:
+        _fail(f"--batch {args.batch} is not divisible by --dp {args.dp}; "
+              f"use a multiple of {args.dp}")  # fmt: skip
+    per_replica = args.batch // args.dp
+    if args.micro_batches is not None and (
+        args.micro_batches < 1 or per_replica % args.micro_batches
+    ):
+        _fail(f"--micro-batches {args.micro_batches} does not divide the per-replica batch "
+              f"{per_replica} (= batch / dp); choose a divisor of {per_replica}")  # fmt: skip
+    try:
+        partition(args.layers, args.pp)
+    except ValueError as e:
+        _fail(f"--pp {args.pp}: {e}")
+
+
+def _resume_config(args: argparse.Namespace, config: object, vocab_size: int) -> object:
+    """With --resume, the checkpoint's model config (its layout-only fields from the flags)."""
+    from dataclasses import replace
+
+    from tpedu import checkpoint
+
+    if args.save_every and not args.ckpt_dir:
+        _fail("--save-every needs --ckpt-dir (where to write the checkpoints)")
+    if not args.resume:
+        return config
+    try:
+        saved = checkpoint.read_config(args.resume)
+    except checkpoint.CheckpointError as e:
+        _fail(str(e))
+    if saved.vocab_size != vocab_size:
+        _fail(f"{args.resume} has vocab_size {saved.vocab_size}, the --tokenizer "
+              f"{args.tokenizer} gives {vocab_size}; pass the tokenizer it was trained with")  # fmt: skip
+    pp = getattr(args, "pp", 1)
+    if pp > saved.n_layers:
+        _fail(f"--pp {pp}: the checkpoint's model has {saved.n_layers} layers; use at most "
+              f"--pp {saved.n_layers}")  # fmt: skip
+    return replace(saved, **{k: getattr(config, k) for k in checkpoint.LAYOUT_ONLY})
+
+
+def _reshard(args: argparse.Namespace) -> int:
+    from tpedu import checkpoint
+
+    src = Path(args.src)
+    try:
+        if (src / "model.safetensors").exists():  # a dense model directory: import it
+            path = checkpoint.import_dense(src, args.out, args.tp, args.pp, args.dp)
+        elif args.to == "dense":
+            path = checkpoint.export_dense(src, args.out)
+        elif args.to == "hf":
+            path = checkpoint.export_hf(src, args.out)
+        else:
+            path = checkpoint.reshard(src, args.out, args.tp, args.pp, args.dp, args.zero1)
+    except (ValueError, FileNotFoundError) as e:  # CheckpointError is a ValueError
+        _fail(str(e))
+    print(checkpoint.summary(path) if (path / checkpoint.INDEX).exists() else f"wrote {path}")
     return 0
 
 
@@ -186,7 +297,7 @@ def _generate(args: argparse.Namespace) -> int:
     prompt = tok.encode(args.prompt)
     results = run(generate, args.nprocs, config, state, prompt, args.max_new_tokens,
                   args.temperature, args.top_k, args.seed, backend=args.backend,
-                  timeout=args.timeout)  # fmt: skip
+                  timeout=None, collective_timeout=args.timeout)  # fmt: skip
     if int(os.environ.get("RANK", "0")) == 0:
         print(tok.decode(results[0]))
     return 0

@@ -135,20 +135,20 @@ def run(
     world_size: int,
     *args: Any,
     backend: str | None = None,
-    timeout: float = DEFAULT_TIMEOUT,
+    timeout: float | None = DEFAULT_TIMEOUT,
     stream: bool = False,
+    collective_timeout: float | None = None,
     **kwargs: Any,
 ) -> list[Any]:
     """Launch `fn` on `world_size` local ranks, or join the job if started by torchrun.
 
     Returns every rank's result when launched here; under torchrun, a one-element list with this
-    rank's own result (other processes hold the rest).
+    rank's own result (other processes hold the rest). Timeouts as in `launch`.
     """
     if not under_torchrun():
-        return launch(
-            fn, world_size, *args, backend=backend, timeout=timeout, stream=stream, **kwargs
-        )
-    init_from_env(backend, timeout)
+        return launch(fn, world_size, *args, backend=backend, timeout=timeout, stream=stream,
+                      collective_timeout=collective_timeout, **kwargs)  # fmt: skip
+    init_from_env(backend, _collective_timeout(timeout, collective_timeout))
     try:
         return [fn(*args, **kwargs)]
     finally:
@@ -160,16 +160,21 @@ def launch(
     world_size: int,
     *args: Any,
     backend: str | None = None,
-    timeout: float = DEFAULT_TIMEOUT,
+    timeout: float | None = DEFAULT_TIMEOUT,
     threads: int = 1,
     show_stderr: bool = False,
     stream: bool = False,
+    collective_timeout: float | None = None,
     **kwargs: Any,
 ) -> list[Any]:
     """Run `fn(*args, **kwargs)` on `world_size` forked ranks; return the results in rank order.
 
     stream=True lets rank 0 write straight to this process's terminal (live progress bars, for
     the CLI); the other ranks' output is still collected and printed afterwards.
+
+    `timeout` bounds the whole run (None: no bound, for long training runs);
+    `collective_timeout` (default: `timeout`, or 600 s when that is None) is how long any
+    collective may wait for the other ranks before it raises: a hang becomes an error either way.
 
     Tensors in a result are detached and moved to the CPU. Raises `RankError` if a rank raises or
     dies and `LaunchTimeout` if they do not all finish within `timeout` seconds; either way every
@@ -188,7 +193,7 @@ def launch(
     importlib.import_module("torch.fx.experimental.symbolic_shapes")
 
     job = _Job(fn, args, kwargs, world_size, backend or default_backend(world_size), timeout,
-               threads, stream)  # fmt: skip
+               threads, stream, _collective_timeout(timeout, collective_timeout))  # fmt: skip
     for _ in range(3):
         try:
             return _launch_once(job, show_stderr)
@@ -206,9 +211,14 @@ class _Job:
     kwargs: dict
     world_size: int
     backend: str
-    timeout: float
+    timeout: float | None
     threads: int
     stream: bool = False
+    collective_timeout: float = DEFAULT_TIMEOUT
+
+
+def _collective_timeout(timeout: float | None, collective_timeout: float | None) -> float:
+    return collective_timeout or timeout or 600.0
 
 
 class _PortTaken(Exception):
@@ -253,8 +263,9 @@ def _launch_once(job: _Job, show_stderr: bool) -> list[Any]:
         seen = "".join(
             f"\n  rank {f.rank}: {f.exc_type}: {f.message.splitlines()[0][:160]}" for f in failures
         )
+        limit = f"within {timeout:g} s" if timeout is not None else "(a collective timed out)"
         raise LaunchTimeout(
-            f"ranks {sorted(pending)} of {world_size} did not finish within {timeout:g} s "
+            f"ranks {sorted(pending)} of {world_size} did not finish {limit} "
             "(a hang: a collective that not every rank called, or mismatched send/recv). "
             "All ranks were killed. Raise `timeout=` if the work is just slow."
             + (f"\nranks that gave up waiting:{seen}" if seen else "")
@@ -263,10 +274,10 @@ def _launch_once(job: _Job, show_stderr: bool) -> list[Any]:
 
 
 def _collect(
-    procs: list[mp.process.BaseProcess], conns: dict[int, Connection], timeout: float
+    procs: list[mp.process.BaseProcess], conns: dict[int, Connection], timeout: float | None
 ) -> tuple[dict[int, Any], list[_Failure], set[int]]:
     """Wait for every rank's report; stop early (after a short grace) once one fails."""
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + (timeout if timeout is not None else float("inf"))
     results: dict[int, Any] = {}
     failures: list[_Failure] = []
     waiting = {rank: (conn, procs[rank].sentinel) for rank, conn in conns.items()}
@@ -402,7 +413,7 @@ def _rank_main(job: _Job, rank: int, port: int, *, conn: Connection, outdir: str
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides; it kills us on Ctrl-C
     if not (job.stream and rank == 0):
         _redirect_output(outdir, rank)
-    world_size, backend, timeout, threads = job.world_size, job.backend, job.timeout, job.threads
+    world_size, backend, threads = job.world_size, job.backend, job.threads
     torch.set_num_threads(threads)
     os.environ.update(
         RANK=str(rank),
@@ -421,7 +432,7 @@ def _rank_main(job: _Job, rank: int, port: int, *, conn: Connection, outdir: str
             init_method=f"tcp://127.0.0.1:{port}",
             rank=rank,
             world_size=world_size,
-            timeout=datetime.timedelta(seconds=timeout),
+            timeout=datetime.timedelta(seconds=job.collective_timeout),
         )
         result = _to_cpu(job.fn(*job.args, **job.kwargs))
         if backend == "nccl":

@@ -130,7 +130,7 @@ def activation_bytes_per_layer(
         full recompute           2sbh (only the layer input), 2sbh/t with sequence parallelism
 
     The 34 is 11 (attention, without the a·s² parts) + 19 (MLP) + 4 (two LayerNorms); the
-    5as/h is the [b, a, s, s] attention scores (2), softmax output (2) and its dropout mask (1).
+    5as/h is the [b, a, s, s] softmax output (2 bytes), its dropout mask (1) and dropout output (2).
     """
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")

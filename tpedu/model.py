@@ -10,6 +10,12 @@ Per transformer block, tensor parallelism costs exactly (b·s·H elements each):
     backward: 2 all-reduces (the f in front of QKV, the f in front of fc1)
 plus, with a vocab-parallel embedding and loss: 1 all-reduce forward for the embedding, 1
 backward for the LM head's input, and 3 small all-reduces (b·s elements) in the loss.
+
+`GPTConfig.sequence_parallel` (lesson 08): between the TP regions every rank keeps only its s/t
+positions; each all-reduce becomes a reduce-scatter (forward) and each f an all-gather, see
+tpedu/sequence_parallel.py. `sync_grads()` then also sums the gradients of the replicated
+parameters that saw only a sequence shard. `GPTConfig.recompute` (lesson 09): "selective"
+recomputes the attention core in backward, "full" the whole block from its input.
 """
 
 from __future__ import annotations
@@ -21,8 +27,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
-from tpedu import collectives
+from tpedu import collectives, tracer
 from tpedu.attention import ParallelAttention, check_heads
 from tpedu.batches import IGNORE
 from tpedu.dense import DenseAttention, DenseMLP
@@ -30,12 +37,25 @@ from tpedu.dropout import derive_seed, index_dropout
 from tpedu.embedding import ReplicatedEmbedding, VocabParallelEmbedding
 from tpedu.layers import ColumnParallelLinear, RowParallelLinear
 from tpedu.mlp import ParallelMLP
+from tpedu.sequence_parallel import (
+    all_gather_linear,
+    allreduce_sequence_parallel_grads,
+    check_sequence_length,
+    gather_from_sequence_parallel_region,
+    mark_sequence_parallel,
+    scatter_to_sequence_parallel_region,
+    sequence_dropout,
+    sequence_offset,
+    sequence_parallel_params,
+)
 from tpedu.sharding import check_divisible
 from tpedu.tp_ops import copy_to_tp_region
 from tpedu.vocab_parallel import gather_logits, vocab_parallel_cross_entropy
 
 # Dropout call sites owned by the model (the attention and MLP modules own theirs).
 EMBEDDING_DROPOUT_SITE, ATTENTION_OUTPUT_DROPOUT_SITE = 11, 12
+
+RECOMPUTE = ("none", "selective", "full")
 
 
 @dataclass
@@ -59,6 +79,8 @@ class GPTConfig:
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     seed: int = 0  # dropout masks
+    sequence_parallel: bool = False  # TPGPT: norms, dropout, residuals on s/t positions
+    recompute: str = "none"  # TPGPT: "selective" (attention core) or "full" (whole block)
     extra: dict = field(default_factory=dict)
 
     @property
@@ -81,8 +103,12 @@ class GPTConfig:
             raise ValueError(f"hidden = {self.hidden} is not divisible by n_heads = {self.n_heads}")
         if self.position == "rope" and (self.hidden // self.n_heads) % 2:
             raise ValueError("RoPE needs an even head dimension")
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"recompute must be one of {RECOMPUTE}, got {self.recompute!r}")
         check_heads(self.n_heads, self.kv_heads, tp)
         check_divisible(self.ffn, tp, "ffn_hidden")
+        if self.sequence_parallel:  # the batch's own s is checked again at run time
+            check_sequence_length(self.seq_len, tp)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -173,6 +199,27 @@ def _embed(model: DenseGPT | TPGPT, ids: torch.Tensor, step: int) -> torch.Tenso
     return index_dropout(x, model.config.dropout, seed, training=model.training)
 
 
+def _embed_sequence_parallel(model: TPGPT, ids: torch.Tensor, step: int) -> torch.Tensor:
+    """_embed on this rank's positions: ids [b, s] -> [b, s/t, H], the dense result's slice.
+
+    Vocab-parallel: the partial lookups are reduce-scattered along the sequence (1
+    reduce-scatter; Megatron-LM does the same) rather than all-reduced and then cut.
+    Replicated table: every rank looks up everything and keeps its chunk (no communication
+    forward, 1 all-gather backward, so the table's gradient is complete on every rank).
+    """
+    s = ids.shape[1]
+    check_sequence_length(s, model.tp)
+    if model.config.vocab_parallel:
+        x = model.tok_emb(ids, sequence_parallel=True)
+    else:
+        x = scatter_to_sequence_parallel_region(model.tok_emb(ids), model.group)
+    if model.pos_emb is not None:  # only this rank's rows: its gradient needs the SP all-reduce
+        start = sequence_offset(s // model.tp, model.group)
+        x = x + model.pos_emb(torch.arange(start, start + s // model.tp, device=ids.device))
+    seed = derive_seed(model.config.seed, EMBEDDING_DROPOUT_SITE, step)
+    return sequence_dropout(x, model.config.dropout, seed, model.group, model.training)
+
+
 def _init_weights(module: nn.Module) -> None:
     """GPT-2's initialisation: normal(0, 0.02) weights, zero biases."""
     if isinstance(module, (nn.Linear, nn.Embedding)):
@@ -182,20 +229,44 @@ def _init_weights(module: nn.Module) -> None:
 
 
 class TPBlock(nn.Module):
-    """DenseBlock sharded over the TP group: norms replicated, attention and MLP split."""
+    """DenseBlock sharded over the TP group: norms replicated, attention and MLP split.
 
-    def __init__(self, dense: DenseBlock, group: dist.ProcessGroup | None) -> None:
+    x [b, s, H] -> [b, s, H]; with sequence_parallel, this rank's positions [b, s/t, H] ->
+    [b, s/t, H] (norms, dropout and residual adds then run on the shard; the norms' parameters
+    and the row-parallel biases are marked `sequence_parallel` for the gradient all-reduce).
+    recompute: "none", "selective" (attention core) or "full" (only x is kept for backward).
+    """
+
+    def __init__(self, dense: DenseBlock, group: dist.ProcessGroup | None,
+                 sequence_parallel: bool = False, recompute: str = "none") -> None:  # fmt: skip
         super().__init__()
-        self.seed, self.p = dense.seed, dense.p
+        if recompute not in RECOMPUTE:
+            raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
+        self.seed, self.p, self.group = dense.seed, dense.p, group
+        self.sequence_parallel, self.recompute = sequence_parallel, recompute
         # Replicated: the same on every rank (copies: the TP model must not share the dense one's).
         self.norm1, self.norm2 = copy.deepcopy(dense.norm1), copy.deepcopy(dense.norm2)
-        self.attn = ParallelAttention.from_dense(dense.attn, group)
-        self.mlp = ParallelMLP.from_dense(dense.mlp, group)
+        self.attn = ParallelAttention.from_dense(dense.attn, group,
+                                                 sequence_parallel=sequence_parallel,
+                                                 recompute_core=recompute == "selective")  # fmt: skip
+        self.mlp = ParallelMLP.from_dense(dense.mlp, group, sequence_parallel=sequence_parallel)
+        if sequence_parallel:
+            mark_sequence_parallel([*self.norm1.parameters(), *self.norm2.parameters(),
+                                    self.attn.out_proj.bias, self.mlp.fc2.bias])  # fmt: skip
 
     def forward(self, x: torch.Tensor, step: int = 0) -> torch.Tensor:
-        a = self.attn(self.norm1(x), step)  # 1 all-reduce forward, 1 backward
+        if self.recompute == "full" and torch.is_grad_enabled():
+            # Keeps only x; backward reruns the block (its collectives and dropout masks too).
+            return checkpoint(self._forward, x, step, use_reentrant=False)
+        return self._forward(x, step)
+
+    def _forward(self, x: torch.Tensor, step: int) -> torch.Tensor:
+        a = self.attn(self.norm1(x), step)  # 1 all-reduce forward, 1 backward (SP: AG + RS)
         seed = derive_seed(self.seed, ATTENTION_OUTPUT_DROPOUT_SITE, step)
-        x = x + index_dropout(a, self.p, seed, training=self.training)  # full tensor: offsets 0
+        if self.sequence_parallel:  # this rank's slice of the dense mask
+            x = x + sequence_dropout(a, self.p, seed, self.group, self.training)
+        else:
+            x = x + index_dropout(a, self.p, seed, training=self.training)  # full: offsets 0
         return x + self.mlp(self.norm2(x), step)  # 1 all-reduce forward, 1 backward
 
 
@@ -211,6 +282,9 @@ class TPGPT(nn.Module):
     and returns logits or the loss; the others return hidden states. With tied embeddings and
     more than one stage, the last stage keeps its own copy of the embedding table as the head;
     the two copies' gradients must be summed over the first and last stage (lesson 10).
+
+    With config.sequence_parallel the hidden states between blocks (and between stages) are this
+    rank's sequence shard [b, s/t, H]; ids, targets, logits and loss are as above.
     """
 
     def __init__(self, dense: DenseGPT, group: dist.ProcessGroup | None = None,
@@ -219,6 +293,7 @@ class TPGPT(nn.Module):
         config = dense.config
         self.config, self.group = config, group
         self.tp = dist.get_world_size(group)
+        self.sequence_parallel = config.sequence_parallel
         config.check(self.tp)
         layers = range(config.n_layers) if layers is None else layers
         if not (0 <= layers.start <= layers.stop <= config.n_layers and layers.step == 1):
@@ -234,13 +309,19 @@ class TPGPT(nn.Module):
 
         self.tok_emb = table(dense.tok_emb.weight) if self.first else None
         self.pos_emb = copy.deepcopy(dense.pos_emb) if self.first else None  # replicated
-        self.blocks = nn.ModuleList(TPBlock(dense.blocks[i], group) for i in layers)
+        self.blocks = nn.ModuleList(
+            TPBlock(dense.blocks[i], group, config.sequence_parallel, config.recompute)
+            for i in layers
+        )
         self.norm_f = copy.deepcopy(dense.norm_f) if self.last else None
         self.lm_head = None
         if self.last and dense.lm_head is not None:  # an untied head is split like the embedding
             self.lm_head = table(dense.lm_head.weight)
         elif self.last and not self.first:  # tied, on another stage: a copy of the table
             self.lm_head = table(dense.tok_emb.weight)
+        if config.sequence_parallel:  # replicated, but each rank feeds them its positions only
+            for m in (self.pos_emb, self.norm_f):
+                mark_sequence_parallel(m.parameters() if m is not None else [])
         self._copies = self._count_copies()
 
     @classmethod
@@ -254,7 +335,11 @@ class TPGPT(nn.Module):
     def forward(self, inputs: torch.Tensor, targets: torch.Tensor | None = None,
                 step: int = 0) -> torch.Tensor:  # fmt: skip
         """ids [b, s] (first stage) or hidden [b, s, H] -> logits / loss (last) or hidden."""
-        x = _embed(self, inputs, step) if self.first else inputs  # vocab-parallel: 1 all-reduce
+        sp = self.sequence_parallel
+        if self.first:  # vocab-parallel: 1 all-reduce (SP: 1 reduce-scatter)
+            x = _embed_sequence_parallel(self, inputs, step) if sp else _embed(self, inputs, step)
+        else:
+            x = inputs
         for block in self.blocks:
             x = block(x, step)
         if not self.last:
@@ -262,12 +347,20 @@ class TPGPT(nn.Module):
         h = self.norm_f(x)
         head = self.tok_emb if self.lm_head is None else self.lm_head
         if not self.config.vocab_parallel:
+            if sp:  # a replicated head: every rank's dL/dh is already complete, no reduce-scatter
+                h = gather_from_sequence_parallel_region(
+                    h, self.group, tensor_parallel_output_grad=False
+                )
             logits = F.linear(h, head.weight)
             if targets is None:
                 return logits
             return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
-        # f: the head is column-parallel over the vocabulary, so dL/dh is all-reduced in backward.
-        logits = F.linear(copy_to_tp_region(h, self.group), head.weight)  # [b, s, Vp/t]
+        # f: the head is column-parallel over the vocabulary, so dL/dh is all-reduced in backward
+        # (SP: all-gathered along the sequence in forward, reduce-scattered in backward).
+        if sp:
+            logits = all_gather_linear(h, [head.weight], [None], self.group)[0]  # [b, s, Vp/t]
+        else:
+            logits = F.linear(copy_to_tp_region(h, self.group), head.weight)  # [b, s, Vp/t]
         if targets is None:
             return logits
         losses = vocab_parallel_cross_entropy(
@@ -314,10 +407,19 @@ class TPGPT(nn.Module):
                     copies[id(m.qkv_bias)] = rows.to(m.qkv_bias.device)
         return copies
 
-    def sync_grads(self) -> None:
-        """Gradient fix-ups TP needs after backward: replicated KV heads (tp > n_kv_heads)."""
+    def sync_grads(self, sequence_parallel_grads: bool = True) -> None:
+        """Gradient fix-ups TP needs after backward: replicated KV heads (tp > n_kv_heads) and,
+        with sequence parallelism, the parameters that saw only a sequence shard (norms,
+        row-parallel biases, learned positions): 1 all-reduce over the TP group.
+
+        sequence_parallel_grads=False skips the latter: the real bug lesson 08 demonstrates
+        (Megatron-LM #1446, gpt-neox #1257). Never pass it otherwise.
+        """
         for block in self.blocks:
             block.attn.allreduce_replicated_kv_grads()
+        if self.sequence_parallel and sequence_parallel_grads:
+            with tracer.phase("grad_sync"):
+                allreduce_sequence_parallel_grads(sequence_parallel_params(self), self.group)
 
     def gather_state_dict(self, grads: bool = False) -> dict[str, torch.Tensor]:
         """The dense state dict (or dense-layout gradients) with DenseGPT's keys. Collective.

@@ -19,16 +19,22 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
+import torch._dynamo  # noqa: F401 - the optimizers import it (≈3-5 s): once here, not per forked rank
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from tpedu import corpus, tokenizer
+from tpedu import collectives, corpus, tokenizer
 from tpedu.batches import packed_batch
+from tpedu.data_parallel import DataParallel, ZeRO1
 from tpedu.launcher import device
+from tpedu.mesh import Layout, Mesh
 from tpedu.model import TPGPT, DenseGPT, GPTConfig
+from tpedu.pipeline import Pipe, build_stage_chunks, partition, run_schedule, sync_tied_grads
+from tpedu.pipeline import schedule as pipeline_schedule
 from tpedu.vocab_parallel import sample, vocab_parallel_sample
 
 CACHE_DIR = Path(os.environ.get("TPEDU_CACHE", Path(__file__).resolve().parent.parent / ".cache"))
@@ -47,6 +53,9 @@ class TrainConfig:
     eval_batches: int = 4
     seed: int = 0
     progress: bool = True
+    ckpt_dir: str | None = None  # sharded checkpoints (lesson 13) go here ...
+    save_every: int = 0  # ... every this many steps (and at the end); 0: only at the end
+    resume: str | None = None  # a checkpoint (step dir or its parent) to continue from
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -126,14 +135,19 @@ def train(config: GPTConfig, cfg: TrainConfig, train_ids: torch.Tensor, val_ids:
     rank, tp = dist.get_rank(), dist.get_world_size()
     model = build_model(config, cfg.seed)
     opt = make_optimizer(model, cfg)
+    from tpedu import checkpoint  # lesson 13: resume at any layout; periodic sharded saves
+
+    first = checkpoint.resume_from(cfg, model, opt)  # 0 unless cfg.resume
     history: list[dict] = []
     losses: list[float] = []
     start = time.perf_counter()
-    bar = tqdm(range(cfg.steps), disable=not (cfg.progress and rank == 0), desc=f"train tp={tp}")
+    bar = tqdm(range(first, cfg.steps), disable=not (cfg.progress and rank == 0),
+               desc=f"train tp={tp}")  # fmt: skip
     for step in bar:
         x, y = packed_batch(train_ids, cfg.batch, config.seq_len, step, cfg.seed)
         loss, norm = train_step(model, opt, x.to(device()), y.to(device()), step, cfg)
         losses.append(loss)
+        checkpoint.save_if_due(cfg, step + 1, model, opt, tok=tok)
         bar.set_postfix(loss=f"{loss:.3f}")
         if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
             val = evaluate(model, val_ids, cfg, cfg.eval_batches)
@@ -210,3 +224,186 @@ def generate(config: GPTConfig, state: dict[str, torch.Tensor], prompt_ids: list
             nxt = sample(logits, gen, temperature, top_k)
         ids = torch.cat([ids, nxt.view(1, 1)], dim=1)
     return ids[0].tolist()
+
+
+# ------------------------------------------------------------------- 3D: tp × pp × dp (lesson 12)
+
+
+def default_micro_batches(per_rank_batch: int, pp: int) -> int:
+    """The largest m ≤ 2·pp dividing the per-DP-rank batch (1 without pipelining)."""
+    if pp == 1:
+        return 1
+    return max(m for m in range(1, min(2 * pp, per_rank_batch) + 1) if per_rank_batch % m == 0)
+
+
+def grad_norm_3d(stage: TPGPT, mesh: Mesh) -> torch.Tensor:
+    """L2 norm of the whole model's gradient on every rank of a 3D layout. 2 small all-reduces.
+
+    Within a stage, TP copies are counted once (as `TPGPT.grad_norm`); then the stages' sums of
+    squares are added over the PP group, leaving out the last stage's copy of a tied embedding
+    (its gradient equals the first stage's after `sync_tied_grads`). DP replicas hold identical
+    gradients after the all-reduce: no DP reduction.
+    """
+    tied_copy = stage.lm_head.weight if stage.config.tie_embeddings and stage.lm_head else None
+    sq = torch.zeros((), dtype=torch.float64, device=next(stage.parameters()).device)
+    for p in stage.parameters():
+        if p.grad is not None and p is not tied_copy:
+            sq += (p.grad.double().square() / stage._copies.get(id(p), stage.tp)).sum()
+    collectives.all_reduce(sq, mesh.tp_group)
+    return collectives.all_reduce(sq, mesh.pp_group).sqrt()
+
+
+def _replica_mean(value: torch.Tensor | None, mesh: Mesh) -> float:
+    """The last stage's loss, averaged over DP replicas, on every rank (1 world all-reduce)."""
+    t = torch.zeros((), dtype=torch.float64, device=device())
+    if value is not None and mesh.tp_rank == 0:
+        t += value.double()
+    return collectives.all_reduce(t).item() / mesh.layout.dp
+
+
+def train_3d(config: GPTConfig, cfg: TrainConfig, train_ids: torch.Tensor, val_ids: torch.Tensor,
+             tp: int = 1, pp: int = 1, dp: int = 1, micro_batches: int | None = None,
+             zero: bool = False, kind: str = "1f1b", out: str | None = None,
+             tok: object | None = None) -> dict:  # fmt: skip
+    """Train with tp·pp·dp ranks (the world); the same losses as one process, step by step.
+
+    `cfg.batch` is the global batch: each DP replica draws its slice of the same global batch
+    (`packed_batch(..., dp_rank, dp)`), splits it into `micro_batches` for the pipeline
+    (schedule `kind`), and every TP/PP rank of a replica sees the same data. Per step: the
+    pipeline's point-to-point sends, bucketed DP all-reduces during the last micro-batch's
+    backward, the tied-embedding all-reduce (first + last stage), 2 all-reduces for the gradient
+    norm, and with `zero` (ZeRO-1) one broadcast per DP rank after the optimizer step.
+    Dropout masks depend on a tensor's batch position, so with dropout > 0 micro-batching
+    changes them: the step-by-step match with one process holds for dropout = 0.
+    """
+    layout = Layout(tp, pp, dp)
+    mesh = Mesh(layout)
+    if cfg.batch % dp:
+        raise ValueError(f"the global batch {cfg.batch} is not divisible by dp={dp}; "
+                         f"use a batch that is a multiple of {dp}")  # fmt: skip
+    b = cfg.batch // dp
+    m = micro_batches or default_micro_batches(b, pp)
+    if b % m:
+        raise ValueError(f"the per-replica batch {b} (= batch / dp) is not divisible by "
+                         f"{m} micro-batches; choose a divisor of {b}")  # fmt: skip
+    torch.manual_seed(cfg.seed)
+    chunks = [c.to(device()) for c in build_stage_chunks(DenseGPT(config), mesh.tp_group,
+                                                         mesh.pp_rank, pp)]  # fmt: skip
+    stage = chunks[0]
+    dpar = DataParallel(stage, mesh.dp_group) if dp > 1 else None
+    if zero:
+        groups = make_optimizer(stage, cfg).param_groups
+        opt = ZeRO1([{"params": g["params"], "weight_decay": g["weight_decay"]} for g in groups],
+                    mesh.dp_group, lr=cfg.lr, betas=(0.9, 0.95))  # fmt: skip
+    else:
+        opt = make_optimizer(stage, cfg)
+    from tpedu import checkpoint  # lesson 13: resume at any layout; periodic sharded saves
+
+    first = checkpoint.resume_from(cfg, chunks, opt)  # 0 unless cfg.resume
+    pipe = Pipe.from_mesh(mesh)
+    seq = config.seq_len // (tp if getattr(config, "sequence_parallel", False) else 1)
+    shape, dtype = (b // m, seq, config.hidden), next(stage.parameters()).dtype
+    acts = pipeline_schedule(kind, m, pp, mesh.pp_rank)
+
+    def micro(ids: torch.Tensor, step: int, seed: int) -> tuple[list, list]:
+        x, y = packed_batch(ids, b, config.seq_len, step, seed, mesh.dp_rank, dp)
+        return list(x.to(device()).chunk(m)), list(y.to(device()).chunk(m))
+
+    @torch.no_grad()
+    def evaluate_3d() -> float:
+        stage.eval()
+        losses = []
+        for i in range(cfg.eval_batches):
+            xs, ys = micro(val_ids, i, cfg.seed + 1)
+            res = run_schedule(chunks, [("F", j) for j in range(m)], pipe, xs, ys, shape, dtype)
+            losses.append(_replica_mean(res.loss, mesh))
+        stage.train()
+        return sum(losses) / len(losses)
+
+    rank = dist.get_rank()
+    history: list[dict] = []
+    losses: list[float] = []
+    start = time.perf_counter()
+    desc = f"train tp={tp} pp={pp} dp={dp}"
+    bar = tqdm(range(first, cfg.steps), disable=not (cfg.progress and rank == 0), desc=desc)
+    for step in bar:
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, cfg)
+        opt.zero_grad(set_to_none=True)
+        xs, ys = micro(train_ids, step, cfg.seed)
+        res = run_schedule(chunks, acts, pipe, xs, ys, shape, dtype, step=step,
+                           no_sync=dpar.no_sync if dpar else None)  # fmt: skip
+        if dpar is not None:
+            dpar.finish()
+        sync_tied_grads(chunks, mesh.emb_group)
+        stage.sync_grads()
+        norm = grad_norm_3d(stage, mesh)
+        if cfg.grad_clip > 0:
+            scale = (cfg.grad_clip / (norm + 1e-6)).clamp(max=1.0)
+            for p in stage.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(scale.to(p.grad.dtype))
+        opt.step()
+        loss = _replica_mean(res.loss, mesh)
+        losses.append(loss)
+        checkpoint.save_if_due(cfg, step + 1, chunks, opt, mesh=mesh, zero1=zero, tok=tok)
+        bar.set_postfix(loss=f"{loss:.3f}")
+        if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
+            val = evaluate_3d()
+            history.append(
+                {"step": step + 1, "train_loss": loss, "val_loss": val, "grad_norm": norm.item()}
+            )
+            if rank == 0 and cfg.progress:
+                bar.write(f"step {step + 1:>5}: train loss {loss:.4f}  val loss {val:.4f}")
+    seconds = time.perf_counter() - start
+    summary = {
+        "final_train_loss": losses[-1] if losses else None,
+        "final_val_loss": history[-1]["val_loss"] if history else None,
+        "tokens_per_second": cfg.steps * cfg.batch * config.seq_len / seconds if seconds else None,
+        "parameters_per_rank": sum(p.numel() for p in stage.parameters()),
+        "parameters_total": count_parameters(config),
+        "tp": tp,
+        "pp": pp,
+        "dp": dp,
+        "micro_batches": m,
+        "zero1": zero,
+        "losses": losses,
+        "history": history,
+        "settings": {"model": config.to_dict(), "train": asdict(cfg)},
+    }
+    if out is not None:
+        state = gather_pipeline_state(stage, mesh)
+        save_model(SimpleNamespace(config=config, gather_state_dict=lambda: state), cfg, out, tok)
+    return summary
+
+
+def gather_pipeline_state(stage: TPGPT, mesh: Mesh) -> dict[str, torch.Tensor]:
+    """The whole dense state dict on global rank 0 (others: their stage's part). Collective.
+
+    Each stage gathers its TP shards; then tp_rank 0 of replica 0 of every later stage sends its
+    tensors to rank 0 (sorted by name, blocking send/recv: only rank 0 receives, so no cycle).
+    """
+    state = stage.gather_state_dict()
+    if mesh.tp_rank or mesh.dp_rank or mesh.layout.pp == 1:
+        return state
+    if mesh.pp_rank > 0:
+        for name in sorted(state):
+            collectives.send(state[name].contiguous(), 0, mesh.pp_group)
+        return state
+    with torch.device("meta"):
+        shapes = DenseGPT(stage.config).state_dict()
+    parts = partition(stage.config.n_layers, mesh.layout.pp)
+
+    def stage_of(name: str) -> int:
+        if name.startswith("blocks."):
+            i = int(name.split(".")[1])
+            return next(s for s, r in enumerate(parts) if i in r)
+        return 0 if name.split(".")[0] in ("tok_emb", "pos_emb") else mesh.layout.pp - 1
+
+    for s in range(1, mesh.layout.pp):
+        src = mesh.members["pp"][s]
+        for name in sorted(n for n in shapes if stage_of(n) == s):
+            buf = torch.empty(shapes[name].shape, dtype=state["tok_emb.weight"].dtype,
+                              device=device())  # fmt: skip
+            state[name] = collectives.recv(buf, src, mesh.pp_group)
+    return state

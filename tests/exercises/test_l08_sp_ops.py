@@ -1,0 +1,153 @@
+"""Grades exercises/l08_sp_ops.py: the sequence-parallel operators and the gradient all-reduce.
+
+Exactness: inputs and gradients are random integers stored as float64, so every sum is exact in
+any order: results must equal the expected values bit for bit (0.0). Shapes are uneven and the
+ranks' tensors differ, so a concatenation in the wrong order or a missing sum cannot pass.
+"""
+
+import torch
+import torch.distributed as dist
+
+import tpedu
+from tpedu.grading import implementation
+from tpedu.tracer import CommTracer
+
+NAME = "l08_sp_ops"
+B, N, H = 2, 3, 5  # [b, s/t, H] per rank: s = 3t
+
+
+def ints(seed: int, shape: tuple) -> torch.Tensor:
+    """Random integers in [-9, 9] as float64; any rank can rebuild any other rank's tensor."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(-9, 10, shape, generator=g).double().to(tpedu.device())
+
+
+def _diff(name: str, got: torch.Tensor | None, want: torch.Tensor) -> list[str]:
+    if got is None:
+        return [f"{name}: got None"]
+    if got.shape != want.shape:
+        return [f"{name}: shape {tuple(got.shape)}, expected {tuple(want.shape)}"]
+    d = (got - want).abs().max().item()
+    return [f"{name}: max |difference| = {d:.3e}"] if d != 0 else []
+
+
+def _calls(trace: CommTracer) -> list:
+    return [(r.op, r.phase, r.numel) for r in trace.records]
+
+
+def _check(worker, world_sizes=(2, 3)) -> None:
+    for t in world_sizes:
+        for rank, bad in enumerate(tpedu.launch(worker, t, timeout=30)):
+            assert not bad, f"world size {t}, rank {rank}: " + "; ".join(bad)
+
+
+def _scatter_worker() -> list[str]:
+    m = implementation(NAME)
+    t, r = dist.get_world_size(), dist.get_rank()
+    x = ints(0, (B, N * t, H)).requires_grad_()  # the same on every rank
+    grads = [ints(10 + i, (B, N, H)) for i in range(t)]  # rank i's gradient
+    with CommTracer() as trace:
+        y = m.scatter_to_sequence_parallel_region(x, None)
+        y.backward(grads[r])
+    bad = _diff("forward", y, x.detach()[:, r * N : (r + 1) * N])
+    bad += _diff("backward", x.grad, torch.cat(grads, dim=1))
+    if _calls(trace) != [("all_gather", "backward", B * N * t * H)]:
+        bad.append(f"expected only 1 all-gather in backward, traced {_calls(trace)}")
+    return bad
+
+
+def test_scatter_keeps_own_chunk_and_gathers_grads() -> None:
+    _check(_scatter_worker)
+
+
+def _gather_worker() -> list[str]:
+    m = implementation(NAME)
+    t, r = dist.get_world_size(), dist.get_rank()
+    shards = [ints(20 + i, (B, N, H)) for i in range(t)]
+    grads = [ints(30 + i, (B, N * t, H)) for i in range(t)]  # each rank's partial gradient
+    bad = []
+    for tp_grad in (True, False):
+        x = shards[r].clone().requires_grad_()
+        with CommTracer() as trace:
+            y = m.gather_from_sequence_parallel_region(x, None, 1, tp_grad)
+            y.backward(grads[r])
+        bad += _diff("forward", y, torch.cat(shards, dim=1))
+        own = slice(r * N, (r + 1) * N)
+        want = sum(grads)[:, own] if tp_grad else grads[r][:, own]
+        bad += _diff(f"backward (tensor_parallel_output_grad={tp_grad})", x.grad, want)
+        calls = [("all_gather", "forward", B * N * t * H)]
+        calls += [("reduce_scatter", "backward", B * N * t * H)] if tp_grad else []
+        if _calls(trace) != calls:
+            bad.append(f"tensor_parallel_output_grad={tp_grad}: expected {calls}, traced "
+                       f"{_calls(trace)}")  # fmt: skip
+    return bad
+
+
+def test_gather_all_gathers_and_reduce_scatters_grads() -> None:
+    _check(_gather_worker)
+
+
+def _reduce_scatter_worker() -> list[str]:
+    m = implementation(NAME)
+    t, r = dist.get_world_size(), dist.get_rank()
+    partial = [ints(40 + i, (B, N * t, H)) for i in range(t)]
+    grads = [ints(50 + i, (B, N, H)) for i in range(t)]
+    x = partial[r].clone().requires_grad_()
+    with CommTracer() as trace:
+        y = m.reduce_scatter_to_sequence_parallel_region(x, None)
+        y.backward(grads[r])
+    bad = _diff("forward", y, sum(partial)[:, r * N : (r + 1) * N])
+    bad += _diff("backward", x.grad, torch.cat(grads, dim=1))
+    calls = [
+        ("reduce_scatter", "forward", B * N * t * H),
+        ("all_gather", "backward", B * N * t * H),
+    ]
+    if _calls(trace) != calls:
+        bad.append(f"expected {calls}, traced {_calls(trace)}")
+    return bad
+
+
+def test_reduce_scatter_sums_and_shards() -> None:
+    _check(_reduce_scatter_worker)
+
+
+def _dim_worker() -> list[str]:
+    """The sequence dimension is an argument: dim 0 of a [s, b·H] tensor, dim -1 of [.., s]."""
+    m = implementation(NAME)
+    t, r = dist.get_world_size(), dist.get_rank()
+    shards = [ints(60 + i, (N, 4)) for i in range(t)]
+    y = m.gather_from_sequence_parallel_region(shards[r], None, 0)
+    bad = _diff("gather dim=0", y, torch.cat(shards, dim=0))
+    partial = [ints(70 + i, (2, N * t)) for i in range(t)]
+    z = m.reduce_scatter_to_sequence_parallel_region(partial[r], None, -1)
+    bad += _diff("reduce_scatter dim=-1", z, sum(partial)[:, r * N : (r + 1) * N])
+    w = m.scatter_to_sequence_parallel_region(partial[0], None, -1)
+    return bad + _diff("scatter dim=-1", w, partial[0][:, r * N : (r + 1) * N])
+
+
+def test_any_sequence_dimension() -> None:
+    _check(_dim_worker)
+
+
+def _grads_worker() -> list[str]:
+    m = implementation(NAME)
+    t, r = dist.get_world_size(), dist.get_rank()
+    shapes = [(5,), (3, 2), (4,)]
+    params = [torch.nn.Parameter(torch.zeros(s, dtype=torch.float64)) for s in shapes]
+    for i, p in enumerate(params[:2]):
+        p.grad = ints(80 + 10 * r + i, shapes[i])  # rank-specific partial gradients
+    with CommTracer() as trace:
+        m.allreduce_sequence_parallel_grads(params, None)
+    bad = []
+    for i, p in enumerate(params[:2]):
+        want = sum(ints(80 + 10 * k + i, shapes[i]) for k in range(t))
+        bad += _diff(f"param {i} grad", p.grad, want)
+    if params[2].grad is not None:
+        bad.append("a parameter without a gradient must stay without one")
+    if _calls(trace) != [("all_reduce", "forward", 11)]:
+        bad.append(f"expected ONE all-reduce of 5 + 6 elements, traced {_calls(trace)}")
+    return bad
+
+
+def test_sequence_parallel_grads_are_summed_in_one_all_reduce() -> None:
+    _check(_grads_worker)

@@ -1,0 +1,96 @@
+"""The measured activation ledger against Korthikanti et al.'s per-layer formulas.
+
+Every comparison is exact (integers of bytes): measured == paper formula + tpedu's known extras,
+category by category, for every row of the paper's table, on uneven shapes.
+"""
+
+import pytest
+import torch
+from torch import nn
+
+from tpedu import launch
+from tpedu.activation_memory import (
+    SavedTensorCounter,
+    Shape,
+    formula_bytes,
+    known_extras,
+    measure_rows,
+    paper_terms,
+)
+from tpedu.memory import activation_bytes_per_layer
+
+# Uneven: s, b, h, a all different, a·s/h not an integer; t = 1, 2, 3 divide s and a.
+S, B, H, A = 12, 3, 48, 6
+ROWS = [(sp, rc) for sp in (False, True) for rc in ("none", "selective", "full")]
+
+
+def _shapes(t):
+    rows = ROWS if t > 1 else [(False, rc) for rc in ("none", "selective", "full")]
+    return [Shape(S, B, H, A, t, sp, rc) for sp, rc in rows]
+
+
+def _worker(t):
+    return measure_rows(_shapes(t))
+
+
+@pytest.mark.parametrize("t", [1, 2, 3])
+def test_measured_equals_formula_plus_known_extras(t):
+    for rank, measurements in enumerate(launch(_worker, t, t)):
+        for m in measurements:
+            where = f"{m.shape.label()} rank {rank}"
+            expected = m.expected()
+            assert m.by_category == pytest.approx(expected, abs=0), where  # exact, per category
+            extras = known_extras(m.shape, m.itemsize("dropout masks", 2),
+                                  m.itemsize("norm statistics", 4))  # fmt: skip
+            assert m.total == formula_bytes(m.shape) + sum(extras.values()), where
+            # bf16 activations, as in the paper; masks stored in the activation dtype
+            floats = {r.dtype for r in m.records if r.category != "causal mask"}
+            assert floats <= {torch.bfloat16}, where
+            if m.shape.recompute == "full":  # only the block input: 2sbh (SP: 2sbh/t)
+                assert [r.category for r in m.records] == ["block input"], where
+
+
+@pytest.mark.parametrize("t", [1, 2, 4, 8])
+@pytest.mark.parametrize("sp", [False, True])
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_paper_terms_sum_to_the_table(t, sp, recompute):
+    """The category split adds up to tpedu.memory's formula (the paper's Table 2)."""
+    shape = Shape(2048, 4, 4096, 32, t, sp, recompute)
+    assert sum(paper_terms(shape).values()) == pytest.approx(
+        activation_bytes_per_layer(2048, 4, 4096, 32, t, sp, recompute), rel=1e-15
+    )
+    s, b, h, a = 2048, 4, 4096, 32
+    rows = {  # the paper's rows, written out
+        ("none", False): s * b * h * (10 + 24 / t + 5 * a * s / (h * t)),
+        ("none", True): s * b * h / t * (34 + 5 * a * s / h),
+        ("selective", False): s * b * h * (10 + 24 / t),
+        ("selective", True): 34 * s * b * h / t,
+        ("full", False): 2 * s * b * h,
+        ("full", True): 2 * s * b * h / t,
+    }
+    assert sum(paper_terms(shape).values()) == pytest.approx(rows[(recompute, sp)], rel=1e-15)
+
+
+def test_counter_counts_each_storage_once_and_skips_parameters():
+    lin = nn.Linear(5, 7)
+    x = torch.randn(3, 5, requires_grad=True)
+    with SavedTensorCounter(lin) as c:
+        y = lin(x)  # saves x (and the weight: a parameter, skipped)
+        e = y.exp()  # saves its result e
+        z = e * e  # saves e twice: the same storage
+        w = z[:, :2].sin()  # saves a view of z: z's whole storage
+    assert c.total == x.nbytes + e.nbytes + z.nbytes
+    assert [r.module for r in c.records] == ["", "", ""]  # lin is the root itself
+    w.sum().backward()
+    with SavedTensorCounter() as c2:
+        (x * 2).sum()  # a python scalar: nothing saved
+    assert c2.total == 0
+
+
+def test_bad_shapes_are_clear_errors():
+    with pytest.raises(ValueError, match=r"t \| a.*valid t: 1, 2, 3, 6"):
+        Shape(12, 3, 48, 6, t=4)
+    with pytest.raises(ValueError, match="sequence parallelism needs t | s"):
+        Shape(10, 1, 48, 6, t=3, sp=True)
+    with pytest.raises(ValueError, match="recompute must be one of"):
+        Shape(12, 3, 48, 6, recompute="half")

@@ -1,0 +1,101 @@
+"""`python -m tpedu train --tp T --pp P --dp D`: plainly (8 local ranks, through the CLI's
+`main` in this process to save an interpreter start) and as a real two-"node" torchrun job on
+loopback, both matching the one-process run's losses step by step.
+
+Tolerance 2e-5 relative: float32, sums reordered by micro-batching, DP and TP (see
+tests/test_train_3d.py); a real error moves the losses by ≥1e-3.
+"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tpedu.__main__ import main
+from tpedu.launcher import free_port
+
+SMALL = ["--layers", "2", "--hidden", "32", "--heads", "4", "--seq", "16", "--batch", "4",
+         "--steps", "3", "--eval-every", "3"]  # fmt: skip
+
+
+def tpedu(capfd, *args):
+    """Run the CLI in this process (its ranks are forked from here): exit code, stdout, stderr."""
+    try:
+        code = main(list(args))
+    except SystemExit as e:
+        code = e.code
+    out, err = capfd.readouterr()
+    return code, out, err
+
+
+def losses(path):
+    return json.loads(path.read_text())["losses"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ref") / "s.json"
+    assert main(["train", "--tp", "1", *SMALL, "--json", str(path)]) == 0
+    return losses(path)
+
+
+def same(got, ref):
+    assert len(got) == len(ref) == 3
+    for step, (a, b) in enumerate(zip(got, ref, strict=True)):
+        assert a == pytest.approx(b, rel=2e-5), f"step {step}: {a} vs one process {b}"
+
+
+def test_train_2x2x2_plainly_on_8_ranks(reference, tmp_path, capfd):
+    code, out, err = tpedu(capfd, "train", "--tp", "2", "--pp", "2", "--dp", "2", *SMALL,
+                           "--json", str(tmp_path / "s.json"))  # fmt: skip
+    assert code == 0, err
+    summary = json.loads(out[out.index("{") :])
+    assert (summary["tp"], summary["pp"], summary["dp"]) == (2, 2, 2)
+    same(losses(tmp_path / "s.json"), reference)
+
+
+def test_two_node_torchrun_on_loopback(reference, tmp_path):
+    """Two torchrun agents (node_rank 0 and 1, one process each: the two pipeline stages) meet
+    through a c10d rendezvous on 127.0.0.1, as two machines would."""
+    port = free_port()
+    procs = []
+    for node in (0, 1):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+               "--nproc_per_node", "1", "--node_rank", str(node), "--rdzv_backend", "c10d",
+               "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", f"tpedu-{port}",
+               "-m", "tpedu", "train", "--tp", "1", "--pp", "2", *SMALL,
+               "--json", str(tmp_path / f"s{node}.json")]  # fmt: skip
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True))  # fmt: skip
+    try:
+        outs = [p.communicate(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for p, (_, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err[-3000:]
+    written = [f for f in (tmp_path / "s0.json", tmp_path / "s1.json") if f.exists()]
+    assert len(written) == 1  # global rank 0 writes the summary, on whichever node it landed
+    same(losses(written[0]), reference)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--tp", "1", "--dp", "3", *SMALL], "--batch 4 is not divisible by --dp 3"),
+        (["--tp", "1", "--pp", "3", *SMALL], "--pp 3: 2 layers cannot be split over 3 stages"),
+        (
+            ["--tp", "1", "--pp", "2", "--micro-batches", "3", *SMALL],
+            "--micro-batches 3 does not divide the per-replica batch 4",
+        ),  # fmt: skip
+        (["--tp", "1", "--dp", "0"], "--dp must be at least 1"),
+        (["--tp", "4", "--pp", "4", "--dp", "4"], "tp·pp·dp = 64 is more than 4 ranks per core"),
+    ],
+)
+def test_bad_layouts_are_one_line_errors(args, message, capfd):
+    code, _, err = tpedu(capfd, "train", *args)
+    assert code == 2
+    assert message in err and len(err.strip().splitlines()) == 1, err

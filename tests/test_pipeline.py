@@ -1,0 +1,180 @@
+"""Pipeline parallelism: partitioning, the three schedules (on the ideal clock and in real runs),
+gradients equal to the non-pipelined model's, and a hang that ends in a clear error.
+
+Tolerance: float64; a pipelined step computes each micro-batch's loss separately and sums
+loss/m, so sums are reordered (≈1e-16 relative each); 1e-10 catches any real error (≥1e-3).
+"""
+
+import pytest
+import torch
+
+from tpedu import launch
+from tpedu.launcher import LaunchTimeout, RankError
+from tpedu.mesh import Layout, Mesh
+from tpedu.model import DenseGPT, GPTConfig
+from tpedu.pipeline import (
+    Pipe,
+    bubble_formula,
+    bubble_fraction,
+    build_stage_chunks,
+    partition,
+    peak_in_flight,
+    run_schedule,
+    schedule,
+    simulate,
+    sync_tied_grads,
+)
+
+
+def test_partition_balances_and_gives_extras_to_the_middle():
+    assert partition(7, 3) == [range(0, 2), range(2, 5), range(5, 7)]
+    assert partition(6, 4) == [range(0, 1), range(1, 3), range(3, 5), range(5, 6)]
+    assert partition(5, 1) == [range(0, 5)]
+    for n, p in [(9, 4), (13, 5), (3, 3)]:
+        parts = partition(n, p)
+        assert [r.start for r in parts[1:]] == [r.stop for r in parts[:-1]]
+        assert parts[0].start == 0 and parts[-1].stop == n
+        assert max(map(len, parts)) - min(map(len, parts)) <= 1
+    with pytest.raises(ValueError, match="3 layers cannot be split over 4 stages"):
+        partition(3, 4)
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4])
+@pytest.mark.parametrize("m", [1, 3, 4, 8])
+def test_schedules_on_the_ideal_clock(p, m):
+    for kind in ("gpipe", "1f1b"):
+        scheds = [schedule(kind, m, p, s) for s in range(p)]
+        for s, acts in enumerate(scheds):
+            assert sorted(acts) == sorted(
+                [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
+            )
+            assert all(acts.index(("F", i)) < acts.index(("B", i)) for i in range(m))
+            expected_peak = m if kind == "gpipe" else min(m, p - s)
+            assert peak_in_flight(acts) == expected_peak, (kind, s)
+        # equal F and B costs: exactly the textbook bubble (the same for GPipe and 1F1B)
+        assert bubble_fraction(simulate(scheds)) == pytest.approx(bubble_formula(m, p), abs=1e-12)
+    for v in (2, 3):
+        if m % p:
+            with pytest.raises(ValueError, match="divisible by the number of stages"):
+                schedule("interleaved", m, p, 0, v)
+            continue
+        scheds = [schedule("interleaved", m, p, s, v) for s in range(p)]
+        for acts in scheds:
+            assert len(acts) == 2 * m * v and len(set(acts)) == 2 * m * v
+        bubble = bubble_fraction(simulate(scheds))
+        assert bubble == pytest.approx(bubble_formula(m, p, v), abs=1e-12)
+        if p > 1:
+            assert bubble < bubble_formula(m, p)
+
+
+def test_simulate_detects_a_deadlock():
+    bad = [[("F", 0), ("B", 0)], [("B", 0), ("F", 0)]]  # stage 1 backwards before forwarding
+    with pytest.raises(RuntimeError, match="deadlock"):
+        simulate(bad)
+
+
+CONFIG = GPTConfig.gpt2_like(37, seq_len=8, n_layers=4, hidden=16, n_heads=2)
+UNTIED = GPTConfig.llama_like(37, seq_len=8, n_layers=4, hidden=16, n_heads=2, n_kv_heads=2)
+
+
+def micro(config, m, b=2, s=7):
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, config.vocab_size, (m * b, s), generator=g)
+    tgt = torch.randint(0, config.vocab_size, (m * b, s), generator=g)
+    return ids, tgt
+
+
+def dense_grads(config, m):
+    torch.manual_seed(0)
+    dense = DenseGPT(config).double()
+    ids, tgt = micro(config, m)
+    loss = dense(ids, tgt)
+    loss.backward()
+    return loss.item(), {n: p.grad for n, p in dense.named_parameters()}
+
+
+def pipelined(config, layout, kind, m, chunks=1, b=2, s=7):
+    """Worker body: one pipelined step; returns (loss or None, stage grads, result)."""
+    mesh = Mesh(layout)
+    torch.manual_seed(0)
+    dense = DenseGPT(config).double()
+    models = [c.double() for c in build_stage_chunks(dense, mesh.tp_group, mesh.pp_rank,
+                                                     layout.pp, chunks)]  # fmt: skip
+    ids, tgt = micro(config, m, b, s)
+    acts = schedule(kind, m, layout.pp, mesh.pp_rank, chunks)
+    res = run_schedule(models, acts, Pipe.from_mesh(mesh), list(ids.chunk(m)), list(tgt.chunk(m)),
+                       (b, s, config.hidden), torch.float64)  # fmt: skip
+    sync_tied_grads(models, mesh.emb_group)
+    for c in models:
+        c.sync_grads()
+    grads = {}
+    for c in models:
+        grads.update(c.gather_state_dict(grads=True))
+    loss = None if res.loss is None else res.loss.item()
+    return loss, grads, acts, res.events, res.peak_in_flight
+
+
+def check_against_dense(results, config, m):
+    ref_loss, ref = dense_grads(config, m)
+    seen = {}
+    for loss, grads, *_ in results:
+        if loss is not None:
+            assert loss == pytest.approx(ref_loss, rel=1e-12)
+        for name, g in grads.items():
+            diff = (g - ref[name]).abs().max().item()
+            assert diff <= 1e-10 * ref[name].abs().max().item() + 1e-14, (name, diff)
+            seen[name] = True
+    assert set(seen) == set(ref), set(ref) - set(seen)
+
+
+def test_every_schedule_gives_the_dense_gradients_at_pp2():
+    def worker():
+        out = {}
+        for config in (CONFIG, UNTIED):
+            for kind, chunks, m in [("gpipe", 1, 3), ("1f1b", 1, 3), ("interleaved", 2, 4)]:
+                out[(config.norm, kind)] = pipelined(config, Layout(1, 2, 1), kind, m, chunks)
+        return out
+
+    results = launch(worker, 2)
+    for config in (CONFIG, UNTIED):
+        for kind, m in [("gpipe", 3), ("1f1b", 3), ("interleaved", 4)]:
+            check_against_dense([r[(config.norm, kind)] for r in results], config, m)
+    # the real runs' event logs: every forward before its backward, in-flight bounds
+    for kind, m in [("gpipe", 3), ("1f1b", 3)]:
+        for stage, r in enumerate(results):
+            *_, acts, events, peak = r[(CONFIG.norm, kind)]
+            done = [(e.kind, e.micro) for e in events if e.kind in ("F", "B")]
+            assert done == [tuple(a) for a in acts]
+            assert all(done.index(("F", i)) < done.index(("B", i)) for i in range(m))
+            assert peak == (m if kind == "gpipe" else min(m, 2 - stage))
+
+
+def test_pipeline_with_tp_and_four_stages():
+    def worker():
+        return {
+            "tp2pp2": pipelined(CONFIG, Layout(2, 2, 1), "1f1b", 5),
+            "pp4": pipelined(CONFIG, Layout(1, 4, 1), "1f1b", 6),
+            "pp4-gpipe": pipelined(CONFIG, Layout(1, 4, 1), "gpipe", 2),
+            "pp1-interleaved": pipelined(CONFIG, Layout(2, 1, 2), "interleaved", 2, chunks=2),
+        }
+
+    results = launch(worker, 4)
+    for key, m in [("tp2pp2", 5), ("pp4", 6), ("pp4-gpipe", 2), ("pp1-interleaved", 2)]:
+        check_against_dense([r[key] for r in results], CONFIG, m)
+    peaks = [r["pp4"][-1] for r in results]
+    assert peaks == [4, 3, 2, 1]  # 1F1B: p - s activations in flight, not m = 6
+
+
+def test_a_mismatched_pipeline_ends_in_a_clear_error():
+    def worker():
+        mesh = Mesh(Layout(1, 2, 1))
+        torch.manual_seed(0)
+        models = build_stage_chunks(DenseGPT(CONFIG), mesh.tp_group, mesh.pp_rank, 2)
+        ids, tgt = micro(CONFIG, 2)
+        acts = schedule("1f1b", 2 + mesh.pp_rank, 2, mesh.pp_rank)  # stage 1 expects 3 mbs
+        ins = list(ids.chunk(2)) + [ids[:2]]
+        run_schedule(models, acts, Pipe.from_mesh(mesh), ins, list(tgt.chunk(2)) + [tgt[:2]],
+                     (2, 7, CONFIG.hidden), recv_timeout=1.0)  # fmt: skip
+
+    with pytest.raises((LaunchTimeout, RankError), match="gave up waiting for the activation"):
+        launch(worker, 2, timeout=20)

@@ -1,0 +1,89 @@
+"""3D training (tp × pp × dp) against one process, step by step; gradient norm over the layout;
+saving a pipelined model; bad layouts.
+
+Training runs in float32 like the CLI. Micro-batching, the DP average and the TP all-reduces
+reorder sums (≈1e-7 relative each); over 3 AdamW steps the losses stay within 2e-5 relative
+(the tolerance of tests/test_model.py's tp=1 vs tp=2 training), while any real error (a missing
+1/dp, an unsummed tied embedding, a wrong data slice) moves them by ≥1e-3.
+"""
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tpedu import launch
+from tpedu.launcher import RankError
+from tpedu.model import GPTConfig
+from tpedu.train import TrainConfig, train, train_3d
+
+V = 41
+CONFIG = GPTConfig.gpt2_like(V, seq_len=8, n_layers=2, hidden=16, n_heads=2)
+UNTIED = GPTConfig.llama_like(V, seq_len=8, n_layers=2, hidden=16, n_heads=2, n_kv_heads=2)
+CFG = TrainConfig(
+    steps=3,
+    batch=4,
+    lr=1e-2,
+    warmup=1,
+    eval_every=3,
+    eval_batches=1,
+    grad_clip=0.05,
+    progress=False,
+)  # fmt: skip  (clip small: it is active)
+
+
+def data():
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(0, V, (500,), generator=g), torch.randint(0, V, (200,), generator=g)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    tr, va = data()
+    return {c.norm: launch(train, 1, c, CFG, tr, va)[0] for c in (CONFIG, UNTIED)}
+
+
+def check(summary, ref, label):
+    for step, (a, b) in enumerate(zip(summary["losses"], ref["losses"], strict=True)):
+        assert a == pytest.approx(b, rel=2e-5), f"{label} step {step}: {a} vs one process {b}"
+    h, r = summary["history"][-1], ref["history"][-1]
+    assert h["val_loss"] == pytest.approx(r["val_loss"], rel=2e-5), label
+    assert h["grad_norm"] == pytest.approx(r["grad_norm"], rel=2e-5), label
+
+
+def run_3d(layout, config=CONFIG, **kw):
+    tr, va = data()
+    tp, pp, dp = layout
+    return launch(train_3d, tp * pp * dp, config, CFG, tr, va, tp, pp, dp, **kw)
+
+
+def test_3d_2x2x2_matches_one_process(reference, tmp_path):
+    out = tmp_path / "m"
+    results = run_3d((2, 2, 2), out=str(out))
+    assert all(r["losses"] == results[0]["losses"] for r in results)  # every rank agrees
+    check(results[0], reference["layernorm"], "(2,2,2)")
+    assert results[0]["micro_batches"] == 2
+    # the saved dense weights equal the one-process run's after 3 steps
+    tr, va = data()
+    ref_out = tmp_path / "ref"
+    launch(train, 1, CONFIG, CFG, tr, va, str(ref_out))
+    a, b = load_file(out / "model.safetensors"), load_file(ref_out / "model.safetensors")
+    assert set(a) == set(b)
+    for k in a:
+        diff = (a[k] - b[k]).abs().max().item()
+        assert diff <= 1e-4 * b[k].abs().max().item(), f"{k}: max |3D - one process| = {diff:.1e}"
+
+
+@pytest.mark.parametrize("layout", [(1, 2, 2), (2, 1, 2), (2, 2, 1)])
+def test_smaller_layouts_match_one_process(reference, layout):
+    check(run_3d(layout)[0], reference["layernorm"], str(layout))
+
+
+def test_untied_llama_with_zero1_and_gpipe(reference):
+    check(run_3d((1, 2, 2), UNTIED, zero=True, kind="gpipe")[0], reference["rmsnorm"], "zero1")
+
+
+def test_bad_layouts_are_clear_errors():
+    with pytest.raises(RankError, match="global batch 4 is not divisible by dp=3"):
+        run_3d((1, 1, 3))
+    with pytest.raises(RankError, match="2 layers cannot be split over 3 stages"):
+        run_3d((1, 3, 1))

@@ -1,0 +1,409 @@
+"""Pipeline parallelism (流水线并行): layers split into stages, micro-batches flow through them.
+
+    stage 0: embedding + blocks[0:a]  ──activation──▶  stage 1: blocks[a:b]  ──▶ ... ──▶
+    stage p-1: blocks[..:n] + final norm + head + loss
+    gradients w.r.t. the activations travel back the same way (◀──grad──)
+
+A schedule is, per stage, the list of actions it runs in order: ("F", mb) / ("B", mb), or with
+virtual stages ("F", mb, chunk). Three schedules:
+
+    gpipe             all forwards, then all backwards: m activations in flight per stage
+    one_f_one_b       p-1-s warm-up forwards, then alternate F/B: at most p-s in flight
+    interleaved       each rank holds v chunks (virtual stages c·p + s): the bubble shrinks by v
+
+Bubble (idle share of the step) with p stages, m micro-batches, F and B of equal cost per stage:
+GPipe and 1F1B (p-1)/(m+p-1); interleaved (p-1)/(v·m+p-1).
+
+Point-to-point on gloo: a blocking `send` waits for the matching `recv`, so "every stage sends,
+then receives" deadlocks, and batched isend/irecv has known hangs. Here every send is an
+`isend` (never blocks; waited for at the end of the step) and every receive blocks right where
+its data is needed. Then a rank only ever waits for data that some rank produces without waiting
+on it, so any schedule whose per-rank order respects the data flow cannot deadlock (`simulate`
+checks that). Activations and gradients use two different groups (channels), so between the same
+two ranks they can never be confused.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tpedu import collectives
+
+Action = tuple  # ("F" | "B", micro-batch) or ("F" | "B", micro-batch, chunk)
+
+
+# ------------------------------------------------------------------------------ partitioning
+
+
+def partition(n_layers: int, stages: int) -> list[range]:
+    """Contiguous layer ranges, one per stage, sizes differing by at most one.
+
+    The first stage also holds the embedding and the last the head and loss, so the extra layers
+    of an uneven split go to the middle stages first: 7 layers on 3 stages -> [0:2] [2:5] [5:7].
+    """
+    if stages < 1:
+        raise ValueError(f"the number of stages must be at least 1, got {stages}")
+    if n_layers < stages:
+        raise ValueError(
+            f"{n_layers} layers cannot be split over {stages} stages (each needs at least one "
+            f"layer); use at most pp·chunks = {n_layers} stages or more layers"
+        )
+    sizes = [n_layers // stages] * stages
+    order = list(range(1, stages - 1)) + [0, stages - 1][: min(2, stages)]
+    for i in order[: n_layers % stages]:
+        sizes[i] += 1
+    starts = [sum(sizes[:i]) for i in range(stages)]
+    return [range(a, a + n) for a, n in zip(starts, sizes, strict=True)]
+
+
+# ---------------------------------------------------------------------------------- schedules
+
+
+def gpipe(n_micro: int, n_stages: int, stage: int) -> list[Action]:
+    """All forwards, then all backwards (GPipe): [F0 .. F(m-1), B0 .. B(m-1)]."""
+    _check(n_micro, n_stages, stage)
+    return [("F", i) for i in range(n_micro)] + [("B", i) for i in range(n_micro)]
+
+
+def one_f_one_b(n_micro: int, n_stages: int, stage: int) -> list[Action]:
+    """1F1B (PipeDream-flush): warm-up forwards, alternate one forward / one backward, cool-down.
+
+    Stage s runs w = min(p-1-s, m) warm-up forwards, then for each remaining micro-batch a
+    forward followed by the backward of the oldest one in flight, then the last w backwards.
+    At most p-s activations are in flight on stage s (GPipe keeps m).
+    """
+    _check(n_micro, n_stages, stage)
+    warm = min(n_stages - 1 - stage, n_micro)
+    out: list[Action] = [("F", i) for i in range(warm)]
+    for i in range(n_micro - warm):
+        out += [("F", warm + i), ("B", i)]
+    return out + [("B", i) for i in range(n_micro - warm, n_micro)]
+
+
+def interleaved(n_micro: int, n_stages: int, stage: int, chunks: int) -> list[Action]:
+    """Interleaved 1F1B (Megatron-LM): rank `stage` runs chunks c = 0..v-1 (virtual stages c·p+s).
+
+    Forwards go in groups of p micro-batches per chunk (chunk 0 for mb 0..p-1, chunk 1 for the
+    same mbs, ..., then the next p mbs); backwards likewise from the last chunk down. Warm-up:
+    2·(p-1-s) + (v-1)·p forwards. Needs m divisible by p.
+    """
+    _check(n_micro, n_stages, stage)
+    p, v, m = n_stages, chunks, n_micro
+    if v < 1:
+        raise ValueError(f"chunks must be at least 1, got {v}")
+    if v > 1 and m % p:
+        raise ValueError(
+            f"interleaved 1F1B needs the number of micro-batches ({m}) divisible by the number of "
+            f"stages ({p}); use m = {p}, {2 * p}, {3 * p}, ..."
+        )
+
+    def which(k: int, forward: bool) -> tuple[int, int]:
+        chunk = (k // p) % v
+        return (k // (p * v)) * p + k % p, (chunk if forward else v - 1 - chunk)
+
+    total = m * v
+    warm = min(total, p - 1 - stage if v == 1 else 2 * (p - 1 - stage) + (v - 1) * p)
+    out: list[Action] = [("F", *which(k, True)) for k in range(warm)]
+    for k in range(total - warm):
+        out += [("F", *which(warm + k, True)), ("B", *which(k, False))]
+    return out + [("B", *which(k, False)) for k in range(total - warm, total)]
+
+
+def _check(n_micro: int, n_stages: int, stage: int) -> None:
+    if n_micro < 1 or n_stages < 1 or not 0 <= stage < n_stages:
+        raise ValueError(f"need n_micro ≥ 1, n_stages ≥ 1, 0 ≤ stage < n_stages; got "
+                         f"n_micro={n_micro}, n_stages={n_stages}, stage={stage}")  # fmt: skip
+
+
+def schedule(kind: str, n_micro: int, n_stages: int, stage: int, chunks: int = 1) -> list[Action]:
+    """The actions of `stage` under schedule `kind` ('gpipe', '1f1b' or 'interleaved')."""
+    if kind == "gpipe":
+        return gpipe(n_micro, n_stages, stage)
+    if kind == "1f1b":
+        return one_f_one_b(n_micro, n_stages, stage)
+    if kind == "interleaved":
+        return interleaved(n_micro, n_stages, stage, chunks)
+    raise ValueError(f"unknown schedule {kind!r}; choose 'gpipe', '1f1b' or 'interleaved'")
+
+
+def _parts(action: Action) -> tuple[str, int, int]:
+    kind, mb, *rest = action
+    return kind, mb, (rest[0] if rest else 0)
+
+
+# ---------------------------------------------------------------------------------- the clock
+
+
+@dataclass(frozen=True)
+class Event:
+    """One thing a stage did: 'F'/'B' of (micro-batch, chunk), or 'wait' for a receive."""
+
+    stage: int
+    kind: str
+    micro: int
+    chunk: int
+    start: float
+    end: float
+
+
+def simulate(schedules: Sequence[Sequence[Action]], forward: float = 1.0,
+             backward: float = 1.0) -> list[Event]:  # fmt: skip
+    """Run per-stage schedules on an ideal clock (F costs `forward`/v, B `backward`/v, free
+    communication); returns the compute events. Raises if the schedules deadlock or are
+    incomplete (a forward or backward missing, or a backward before its forward)."""
+    p = len(schedules)
+    v = 1 + max((_parts(a)[2] for s in schedules for a in s), default=0)
+    last = p * v - 1
+    done: dict[tuple[str, int, int], float] = {}  # (kind, mb, virtual stage) -> finish time
+    pos, free = [0] * p, [0.0] * p
+    events: list[Event] = []
+    while any(pos[s] < len(schedules[s]) for s in range(p)):
+        progressed = False
+        for s in range(p):
+            while pos[s] < len(schedules[s]):
+                kind, mb, c = _parts(schedules[s][pos[s]])
+                vs = c * p + s
+                if kind == "F":
+                    deps = [("F", mb, vs - 1)] if vs > 0 else []
+                else:
+                    deps = [("F", mb, vs)] + ([("B", mb, vs + 1)] if vs < last else [])
+                if any(d not in done for d in deps):
+                    break
+                start = max([free[s]] + [done[d] for d in deps])
+                end = start + (forward if kind == "F" else backward) / v
+                done[(kind, mb, vs)] = free[s] = end
+                events.append(Event(s, kind, mb, c, start, end))
+                pos[s] += 1
+                progressed = True
+        if not progressed:
+            stuck = {s: schedules[s][pos[s]] for s in range(p) if pos[s] < len(schedules[s])}
+            raise RuntimeError(f"the schedules deadlock: stages wait forever at {stuck}")
+    return events
+
+
+def bubble_fraction(events: Sequence[Event]) -> float:
+    """Idle share of the step: 1 - (compute time summed over stages) / (stages · makespan)."""
+    compute = [e for e in events if e.kind in ("F", "B")]
+    stages = {e.stage for e in compute}
+    t0, t1 = min(e.start for e in compute), max(e.end for e in compute)
+    busy = sum(e.end - e.start for e in compute)
+    return 1.0 - busy / (len(stages) * (t1 - t0))
+
+
+def bubble_formula(n_micro: int, n_stages: int, chunks: int = 1) -> float:
+    """(p-1)/(v·m + p-1): the bubble when F and B cost the same on every stage."""
+    return (n_stages - 1) / (chunks * n_micro + n_stages - 1)
+
+
+def peak_in_flight(actions: Sequence[Action]) -> int:
+    """Most forward activations held at once (forwarded, not yet backwarded) by one stage."""
+    held = peak = 0
+    for a in actions:
+        held += 1 if a[0] == "F" else -1
+        peak = max(peak, held)
+    return peak
+
+
+def plot_timeline(events: Sequence[Event], title: str = "", ax=None):  # noqa: ANN001, ANN201
+    """A Gantt chart: one row per stage, forwards blue, backwards green (label = micro-batch),
+    waits grey. Times are shifted to start at 0. Returns the axes."""
+    import matplotlib.pyplot as plt
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(11, 0.5 + 0.5 * (1 + max(e.stage for e in events))))
+    t0 = min(e.start for e in events)
+    shades = {"F": ("tab:blue", "tab:cyan"), "B": ("tab:green", "tab:olive")}
+    for e in events:
+        color = "lightgrey" if e.kind == "wait" else shades[e.kind][e.chunk % 2]
+        ax.barh(e.stage, e.end - e.start, left=e.start - t0, color=color, edgecolor="white")
+        if e.kind != "wait":
+            ax.text((e.start + e.end) / 2 - t0, e.stage, str(e.micro), ha="center",
+                    va="center", fontsize=7, color="white")  # fmt: skip
+    ax.invert_yaxis()
+    stages = sorted({e.stage for e in events})
+    ax.set_yticks(stages)
+    ax.set_yticklabels([f"stage {s}" for s in stages])
+    ax.set_xlabel("time")
+    ax.set_title(title, fontsize=10)
+    return ax
+
+
+# ---------------------------------------------------------------------------------- execution
+
+
+@dataclass
+class Pipe:
+    """This rank's place in one pipeline: stage index, the global ranks of all stages, and the
+    groups activations (forward) and gradients (backward) travel on."""
+
+    stage: int
+    ranks: list[int]
+    fwd_group: dist.ProcessGroup | None
+    bwd_group: dist.ProcessGroup | None
+
+    @classmethod
+    def from_mesh(cls, mesh) -> Pipe:  # noqa: ANN001 - tpedu.mesh.Mesh (no import cycle)
+        return cls(mesh.pp_rank, mesh.members["pp"], mesh.groups["pp"], mesh.groups["pp_grad"])
+
+    @property
+    def stages(self) -> int:
+        return len(self.ranks)
+
+
+class PipelineTimeout(RuntimeError):
+    """A stage waited too long for an activation or a gradient (a hang, named precisely)."""
+
+
+@dataclass
+class StepResult:
+    """What one pipelined step gave this rank."""
+
+    loss: torch.Tensor | None  # the mean loss over micro-batches (last stage), else None
+    events: list[Event] = field(default_factory=list)
+    peak_in_flight: int = 0
+
+
+def run_schedule(
+    chunks: Sequence[nn.Module],
+    actions: Sequence[Action],
+    pipe: Pipe,
+    inputs: Sequence[torch.Tensor] | None,
+    targets: Sequence[torch.Tensor] | None,
+    hidden_shape: Sequence[int],
+    dtype: torch.dtype = torch.float32,
+    step: int = 0,
+    no_sync: Callable[[], object] | None = None,
+    recv_timeout: float | None = None,
+) -> StepResult:
+    """Run this rank's `actions` on its model `chunks`; backward leaves gradients in .grad.
+
+    chunks[c] is virtual stage c·p + stage: chunk(x, targets, step=) -> hidden [b, s, H], or the
+    mean loss on the last virtual stage. inputs[mb] (ids [b, s]) are needed on the first stage,
+    targets[mb] on the last; hidden_shape = [b, s, H] of one micro-batch's activations.
+    The returned loss is Σ_mb loss_mb / m: the mean over micro-batches, as one big batch gives
+    when every micro-batch has the same number of counted tokens.
+    `no_sync()` (e.g. DataParallel.no_sync) wraps every backward except the last micro-batch's,
+    so gradient all-reduces run once, in the last backward. Without backward actions this is a
+    forward-only pass (evaluation: call it under torch.no_grad()).
+    Communication per micro-batch and stage boundary: forward 1 send/recv of [b, s, H];
+    backward 1 send/recv of its gradient.
+    """
+    p, s = pipe.stages, pipe.stage
+    last_vs = p * len(chunks) - 1
+    n_micro = 1 + max(_parts(a)[1] for a in actions)
+    device = next(chunks[0].parameters()).device
+    prev_rank, next_rank = pipe.ranks[(s - 1) % p], pipe.ranks[(s + 1) % p]
+    sends: list[tuple[dist.Work, torch.Tensor]] = []
+    stash: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+    loopback: dict[tuple[str, int, int], torch.Tensor] = {}  # p = 1: chunk to chunk, no comm
+    events: list[Event] = []
+    total: torch.Tensor | None = None
+    peak = 0
+
+    def receive(src: int, group: dist.ProcessGroup | None, what: str) -> torch.Tensor:
+        buf = torch.empty(tuple(hidden_shape), dtype=dtype, device=device)
+        t = time.perf_counter()
+        work = collectives.irecv(buf, src, group)
+        try:
+            if recv_timeout is None:
+                work.wait()
+            else:
+                work.wait(datetime.timedelta(seconds=recv_timeout))
+        except RuntimeError as e:
+            raise PipelineTimeout(
+                f"pipeline stage {s} (rank {pipe.ranks[s]}) gave up waiting for {what} from rank "
+                f"{src}: the stages' schedules do not match (a send without its receive), or a "
+                f"stage before it failed. ({str(e).splitlines()[0][:120]})"
+            ) from e
+        events.append(Event(s, "wait", -1, -1, t, time.perf_counter()))
+        return buf
+
+    for action in actions:
+        kind, mb, c = _parts(action)
+        vs = c * p + s
+        if kind == "F":
+            if vs == 0:
+                x = inputs[mb]
+            else:
+                x = (
+                    loopback.pop(("F", mb, vs))
+                    if p == 1
+                    else receive(prev_rank, pipe.fwd_group, f"the activation of micro-batch {mb}")
+                )
+                x.requires_grad_(torch.is_grad_enabled())
+            t = time.perf_counter()
+            out = chunks[c](x, targets[mb] if vs == last_vs else None, step=step)
+            events.append(Event(s, "F", mb, c, t, time.perf_counter()))
+            if vs == last_vs:
+                out = out / n_micro
+                total = out.detach() if total is None else total + out.detach()
+            else:
+                y = out.detach().contiguous()
+                if p == 1:  # one stage, several chunks: the next virtual stage is on this rank
+                    loopback[("F", mb, vs + 1)] = y
+                else:
+                    sends.append((collectives.isend(y, next_rank, pipe.fwd_group), y))
+            if torch.is_grad_enabled():
+                stash[(mb, c)] = (x, out)
+                peak = max(peak, len(stash))
+        else:
+            x, out = stash.pop((mb, c))
+            grad = None
+            if vs != last_vs and p == 1:
+                grad = loopback.pop(("B", mb, vs))
+            elif vs != last_vs:
+                grad = receive(next_rank, pipe.bwd_group, f"the gradient of micro-batch {mb}")
+            sync = no_sync is None or mb == n_micro - 1
+            t = time.perf_counter()
+            with nullcontext() if sync else no_sync():
+                torch.autograd.backward(out, grad)
+            events.append(Event(s, "B", mb, c, t, time.perf_counter()))
+            if vs > 0:
+                g = x.grad.contiguous()
+                if p == 1:
+                    loopback[("B", mb, vs - 1)] = g
+                else:
+                    sends.append((collectives.isend(g, prev_rank, pipe.bwd_group), g))
+    for work, _ in sends:
+        work.wait()
+    return StepResult(total, events, peak)
+
+
+# ------------------------------------------------------------------------ models and tied heads
+
+
+def build_stage_chunks(dense: nn.Module, tp_group: dist.ProcessGroup | None, stage: int,
+                       stages: int, chunks: int = 1) -> list[nn.Module]:  # fmt: skip
+    """This rank's TPGPT chunks: chunk c holds the layers of virtual stage c·stages + stage."""
+    from tpedu.model import TPGPT
+
+    parts = partition(dense.config.n_layers, stages * chunks)
+    return [TPGPT(dense, tp_group, layers=parts[c * stages + stage]) for c in range(chunks)]
+
+
+def sync_tied_grads(chunks: Sequence[nn.Module], emb_group: dist.ProcessGroup | None) -> None:
+    """Sum the gradients of the tied embedding's two copies (first stage's table, last stage's
+    head). Both on this rank (one stage, several chunks): added locally; else 1 all-reduce over
+    the emb group ([first stage, last stage]) of the table (its vocab shard). No-op if untied."""
+    first = next((m for m in chunks if m.first and not m.last), None)
+    last = next((m for m in chunks if m.last and not m.first), None)
+    if not chunks[0].config.tie_embeddings or (first is None and last is None):
+        return
+    params = [m.tok_emb.weight for m in (first,) if m] + [m.lm_head.weight for m in (last,) if m]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    if len(params) == 2:
+        total = params[0].grad + params[1].grad
+        params[0].grad.copy_(total)
+        params[1].grad.copy_(total)
+    else:
+        collectives.all_reduce(params[0].grad, emb_group)
