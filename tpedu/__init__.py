@@ -32,6 +32,10 @@ Modules, one idea each:
     data_parallel   bucketed gradient all-reduce from backward hooks, ZeRO-1
     checkpoint      sharded, atomic, validated checkpoints; resharding on load
     reshard         merge and re-split column / row / QKV / vocab shards
+    overlap         column-parallel backward with the input-gradient all-reduce overlapped
+    whatif          step time and MFU of a cluster from FLOPs and the α-β model
+    bugzoo          real TP bugs as broken variants, each with the check that catches it
+    troubleshoot    gradient comparison between layouts, debug settings, numerics
     grading         the exercise grader behind `make grade`
 """
 

@@ -1,0 +1,137 @@
+"""tpedu's tensor-parallel GPT vs PyTorch's native TP (DTensor), same model, same machine.
+
+    .venv/bin/python benchmarks/bench_dtensor.py [--tp 1 2 4] [--reps 7] [--sp]
+
+For each tp: tp ranks (1 thread each) build both models from the same dense weights, check that
+they compute the same loss, then time full training steps (forward, backward, AdamW), alternating
+tpedu / DTensor so machine noise hits both; medians of the slowest rank. Also prints the time
+tpedu's ranks spend inside collectives (waiting included) and a single process using 2 threads
+(the most a 2-core machine offers without any communication).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from dtensor_gpt import GPT, parallelize
+from harness import BATCH, CONFIG, batch, interleaved, load, timed_collectives
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import loss_parallel
+
+import tpedu
+from tpedu.model import TPGPT, DenseGPT
+
+
+def copy_dense(gpt: GPT, dense: DenseGPT) -> None:
+    """DenseGPT's weights into the DTensor-friendly GPT (fused qkv -> separate q, k, v)."""
+    h = dense.config.hidden
+    with torch.no_grad():
+        gpt.tok_emb.weight.copy_(dense.tok_emb.weight)
+        gpt.pos_emb.weight.copy_(dense.pos_emb.weight)
+        gpt.lm_head.weight.copy_(dense.lm_head.weight)
+        gpt.norm_f.load_state_dict(dense.norm_f.state_dict())
+        for mine, ref in zip(gpt.blocks, dense.blocks, strict=True):
+            mine.norm1.load_state_dict(ref.norm1.state_dict())
+            mine.norm2.load_state_dict(ref.norm2.state_dict())
+            for i, w in enumerate((mine.attn.wq, mine.attn.wk, mine.attn.wv)):
+                w.weight.copy_(ref.attn.qkv.weight[i * h : (i + 1) * h])
+                w.bias.copy_(ref.attn.qkv.bias[i * h : (i + 1) * h])
+            mine.attn.wo.load_state_dict(ref.attn.out.state_dict())
+            mine.mlp.fc1.load_state_dict(ref.mlp.fc1.state_dict())
+            mine.mlp.fc2.load_state_dict(ref.mlp.fc2.state_dict())
+
+
+def worker(reps: int, sp: bool) -> dict:
+    tp = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (tp,))
+    torch.manual_seed(0)
+    dense = DenseGPT(CONFIG)
+    ours = TPGPT(dense, None)
+    theirs = GPT(CONFIG)
+    copy_dense(theirs, dense)
+    parallelize(theirs, mesh, sequence_parallel=sp)
+    opt_ours = torch.optim.AdamW(ours.parameters(), lr=1e-4)
+    opt_theirs = torch.optim.AdamW(theirs.parameters(), lr=1e-4)
+    ids, tgt = batch()
+    losses = {}
+
+    def step_ours() -> None:
+        opt_ours.zero_grad(set_to_none=True)
+        loss = ours(ids, tgt)
+        loss.backward()
+        ours.sync_grads()
+        opt_ours.step()
+        losses["tpedu"] = loss.item()
+
+    def step_theirs() -> None:
+        opt_theirs.zero_grad(set_to_none=True)
+        with loss_parallel():
+            loss = F.cross_entropy(theirs(ids).flatten(0, 1), tgt.flatten())
+            loss.backward()
+        if sp:  # learned positions saw only this rank's rows
+            dist.all_reduce(theirs.pos_emb.weight.grad)
+        opt_theirs.step()
+        losses["dtensor"] = (
+            loss.full_tensor().item() if hasattr(loss, "full_tensor") else loss.item()
+        )
+
+    step_ours()
+    step_theirs()
+    first = dict(losses)
+    times = interleaved({"tpedu": step_ours, "dtensor": step_theirs}, reps)
+    comm = []
+    for _ in range(3):
+        with timed_collectives() as acc:
+            dist.barrier()
+            step_ours()
+        comm.append(acc[0])
+    return {"first_loss": first, "times": times, "comm": statistics.median(comm)}
+
+
+def single(reps: int) -> float:
+    torch.manual_seed(0)
+    dense = DenseGPT(CONFIG)
+    opt = torch.optim.AdamW(dense.parameters(), lr=1e-4)
+    ids, tgt = batch()
+    times = []
+    for i in range(reps + 2):
+        t = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        dense(ids, tgt).backward()
+        opt.step()
+        if i >= 2:
+            times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--sp", action="store_true", help="DTensor with SequenceParallel norms")
+    args = ap.parse_args()
+    c = CONFIG
+    print(f"model: {c.n_layers} layers, d {c.hidden}, {c.n_heads} heads, vocab {c.vocab_size}, "
+          f"seq {c.seq_len}, batch {BATCH}, fp32, AdamW; torch {torch.__version__}, gloo")  # fmt: skip
+    print(f"DTensor plan: Colwise/Rowwise, vocab-parallel embedding + head, loss_parallel"
+          f"{', SequenceParallel norms' if args.sp else ''}")  # fmt: skip
+    print(load())
+    print(f"{'tp':>3} {'tpedu ms':>9} {'DTensor ms':>10} {'ratio':>6} {'tpedu comm ms':>13} "
+          f"{'loss tpedu':>10} {'loss DTensor':>12}")  # fmt: skip
+    for tp in args.tp:
+        r = tpedu.launch(worker, tp, args.reps, args.sp, timeout=1800)[0]
+        t, d = r["times"]["tpedu"], r["times"]["dtensor"]
+        print(f"{tp:>3} {1e3 * t:>9.1f} {1e3 * d:>10.1f} {t / d:>6.2f} {1e3 * r['comm']:>13.1f} "
+              f"{r['first_loss']['tpedu']:>10.6f} {r['first_loss']['dtensor']:>12.6f}")  # fmt: skip
+    one = tpedu.launch(single, 1, args.reps, threads=2)[0]
+    print(f"single process, 2 threads, dense model: {1e3 * one:.1f} ms per step")
+    print(load())
+
+
+if __name__ == "__main__":
+    main()

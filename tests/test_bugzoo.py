@@ -1,0 +1,108 @@
+"""The bug zoo's mutation tests: every check passes on tpedu and fails under its bug.
+
+A check that passed under its bug would be a test that cannot catch that failure; a check that
+failed on tpedu would be a false alarm. Both directions are asserted for every bug in the zoo.
+"""
+
+import pytest
+import torch
+
+from tpedu import attention, launch, mesh, model, pipeline, tp_ops, vocab_parallel
+from tpedu.bugzoo import BUGS, broken, catalogue, run_check
+
+
+def _zoo_worker(names):
+    checks = {}  # each distinct check once on plain tpedu, then every bug's broken run
+    for n in names:
+        checks.setdefault(BUGS[n].check, n)
+    clean = {n: run_check(n, with_bug=False) for n in checks.values()}
+    return clean, {n: run_check(n, with_bug=True) for n in names}
+
+
+def _assert_caught(results, names):
+    for rank, (clean, _) in enumerate(results):
+        for n, (ok, detail) in clean.items():
+            assert ok, f"rank {rank}: {n}'s check fails on plain tpedu: {detail}"
+    for n in names:
+        verdicts = [r[1][n] for r in results]
+        assert not all(ok for ok, _ in verdicts), f"{n} slipped through its check: {verdicts}"
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_bug_is_caught_and_tpedu_passes(world):
+    names = [n for n, b in BUGS.items() if b.world == world and n != "pipeline_warmup_reversed"]
+    assert names
+    _assert_caught(launch(_zoo_worker, world, names, timeout=120), names)
+
+
+def test_pipeline_bug_hangs_into_a_clear_timeout():
+    def worker():
+        return run_check("pipeline_warmup_reversed", False), run_check(
+            "pipeline_warmup_reversed", True
+        )
+
+    results = launch(worker, 2, timeout=60)
+    assert all(clean[0] for clean, _ in results)
+    for stage, (_, (ok, detail)) in enumerate(results):
+        assert not ok and detail.startswith(f"pipeline stage {stage}"), detail
+    assert "gradient" in results[0][1][1] and "activation" in results[1][1][1]
+
+
+def test_patches_are_undone_and_names_checked():
+    originals = [
+        (tp_ops.CopyToTPRegion.__dict__["backward"]),
+        tp_ops.ReduceFromTPRegion.__dict__["forward"],
+        model.allreduce_sequence_parallel_grads,
+        vocab_parallel._mask_padding,
+        vocab_parallel.vocab_parallel_argmax,
+        attention.split_qkv,
+        attention.local_heads,
+        attention.ParallelAttention.allreduce_replicated_kv_grads,
+        mesh.Layout.tp_groups,
+        pipeline.one_f_one_b,
+        model.index_dropout,
+    ]
+
+    def current():
+        return [
+            tp_ops.CopyToTPRegion.__dict__["backward"],
+            tp_ops.ReduceFromTPRegion.__dict__["forward"],
+            model.allreduce_sequence_parallel_grads,
+            vocab_parallel._mask_padding,
+            vocab_parallel.vocab_parallel_argmax,
+            attention.split_qkv,
+            attention.local_heads,
+            attention.ParallelAttention.allreduce_replicated_kv_grads,
+            mesh.Layout.tp_groups,
+            pipeline.one_f_one_b,
+            model.index_dropout,
+        ]
+
+    for name in BUGS:
+        with broken(name):
+            changed = [a is not b for a, b in zip(originals, current(), strict=True)]
+            assert sum(changed) == 1, f"{name} must patch exactly one thing, patched {changed}"
+        assert all(a is b for a, b in zip(originals, current(), strict=True)), name
+    # a patch is undone even when the block raises
+    with pytest.raises(ZeroDivisionError), broken("fused_qkv_naive_split"):
+        _ = 1 / 0
+    assert attention.split_qkv is originals[5]
+    with pytest.raises(ValueError, match="unknown bug 'nope'; the zoo has: no_backward_allreduce"):
+        broken("nope")
+    assert all(name in catalogue() for name in BUGS)
+
+
+def test_the_naive_variants_are_the_documented_mistakes():
+    # The broken pieces really are the mistakes named, not arbitrary noise: checked by value.
+    w = torch.arange(24.0).reshape(12, 2)  # fused [q|k|v], 2 heads, head_dim 2
+    with broken("fused_qkv_naive_split"):
+        naive = attention.split_qkv(w, 2, 2, 2, 0)
+    assert torch.equal(naive, w[:6])  # rank 0 got q0 q1 k0: the first half of the rows
+    assert torch.equal(attention.split_qkv(w, 2, 2, 2, 0), w[[0, 1, 4, 5, 8, 9]])
+    layout = mesh.Layout(tp=2, pp=1, dp=2)
+    with broken("seed_tp_groups"):
+        assert layout.tp_groups() == layout.dp_groups() == [[0, 2], [1, 3]]
+    assert layout.tp_groups() == [[0, 1], [2, 3]]
+    with broken("pipeline_warmup_reversed"):
+        assert pipeline.schedule("1f1b", 2, 2, 0) == [("F", 0), ("B", 0), ("F", 1), ("B", 1)]
+    assert pipeline.schedule("1f1b", 2, 2, 0) == [("F", 0), ("F", 1), ("B", 0), ("B", 1)]

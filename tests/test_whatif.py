@@ -1,0 +1,90 @@
+"""The what-if model's arithmetic (FLOP counts, ring volumes, bubble, MFU) — never timings."""
+
+import pytest
+
+from tpedu.cost_model import AlphaBeta
+from tpedu.whatif import (
+    A100_SXM,
+    H100_SXM,
+    NARAYANAN_1T,
+    Hardware,
+    ModelShape,
+    Parallel,
+    predict,
+    published_comparison,
+    tp_efficiency,
+)
+
+GPT3 = ModelShape(layers=96, hidden=12288, heads=96, vocab=50257, seq=2048)
+SMALL = ModelShape(layers=6, hidden=384, heads=6, vocab=1000, seq=256, ffn=1000)
+# A made-up machine with round numbers, so expected values are computable by hand.
+TOY = Hardware("toy", peak_flops=1e12, intra_bw=1e9, inter_bw=1e8, gpus_per_node=4,
+               intra_alpha=1e-5, inter_alpha=1e-4, bus_efficiency=1.0)  # fmt: skip
+
+
+def test_parameter_count_and_flops_per_token():
+    assert GPT3.params / 175e9 == pytest.approx(1, abs=0.005)  # GPT-3: "175B"
+    L, h, s, V, f = 6, 384, 256, 1000, 1000  # noqa: N806
+    n = L * (4 * h * h + 2 * h * f) + V * h
+    assert SMALL.params == n
+    assert SMALL.flops_per_token() == 6 * n + 12 * L * s * h
+    # with full recomputation: Narayanan et al. (2021) eq. 3 per token, exactly (ffn = 4h)
+    m = NARAYANAN_1T
+    L, h, s, V = m.layers, m.hidden, m.seq, m.vocab  # noqa: N806
+    paper = 96 * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
+    assert m.flops_per_token(recompute=True) == pytest.approx(paper, rel=1e-12)
+    assert m.flops_per_token() == pytest.approx(paper * 3 / 4 + 1.5 * V * h, rel=1e-12)
+
+
+def test_compute_and_mfu_without_parallelism():
+    p = predict(SMALL, Parallel(batch=8), TOY, efficiency=0.5)
+    flops = 8 * 256 * SMALL.flops_per_token()
+    assert p.compute == pytest.approx(flops / 0.5e12, rel=1e-12)
+    assert p.tp == p.bubble == p.pp == p.dp == 0.0
+    assert p.mfu == pytest.approx(0.5, rel=1e-12)  # nothing but compute: MFU = efficiency
+    assert p.tokens_per_gpu == pytest.approx(8 * 256 / p.step, rel=1e-12)
+
+
+def test_tp_communication_is_four_ring_allreduces_per_layer_and_micro_batch():
+    par = Parallel(tp=2, batch=8, micro=2)  # 4 micro-batches
+    p = predict(SMALL, par, TOY, efficiency=0.5)
+    n = 2 * 256 * 384 * 2  # b·s·h bf16 bytes
+    one = 2 * (2 - 1) * 1e-5 + 2 * (2 - 1) / 2 * n / 1e9  # 2(t-1) steps, 2(t-1)/t·n bytes
+    assert p.tp == pytest.approx(4 * 4 * 6 * one, rel=1e-12)
+    assert p.compute == pytest.approx(predict(SMALL, Parallel(batch=8), TOY, 0.5).compute / 2)
+    # tp 8 > 4 GPUs per node: the ring runs over the slow inter-node link
+    wide = predict(SMALL, Parallel(tp=6, batch=8, micro=2), TOY, 0.5)
+    ring = AlphaBeta(1e-4, 1e-8).predict("all_reduce", n, 6)
+    assert wide.tp == pytest.approx(4 * 4 * 6 * ring, rel=1e-12)
+
+
+def test_pipeline_bubble_and_data_parallel_allreduce():
+    par = Parallel(pp=3, dp=2, batch=12, micro=1, chunks=2)  # m = 6 per pipeline
+    p = predict(SMALL, par, TOY, efficiency=0.5)
+    assert p.bubble == pytest.approx((3 - 1) / (2 * 6) * (p.compute + p.tp), rel=1e-12)
+    act = 256 * 384 * 2
+    # a stage boundary stays in the node (tp·pp = 3 <= 4); the DP ring spans 6 GPUs: 2 nodes
+    assert p.pp == pytest.approx(2 * 6 * 2 * (1e-5 + act * 1e-9), rel=1e-12)
+    grads = SMALL.params / 3 * 2
+    assert p.dp == pytest.approx(AlphaBeta(1e-4, 1e-8).predict("all_reduce", grads, 2), rel=1e-12)
+    half = predict(SMALL, Parallel(pp=3, dp=2, batch=12, chunks=2, dp_overlap=0.5), TOY, 0.5)
+    assert half.dp == pytest.approx(p.dp / 2, rel=1e-12)
+
+
+def test_bad_layouts_are_clear_errors():
+    with pytest.raises(ValueError, match="6 heads are not divisible by tp=4"):
+        predict(SMALL, Parallel(tp=4, batch=8))
+    with pytest.raises(ValueError, match="6 layers do not split into pp·chunks = 4·1"):
+        predict(SMALL, Parallel(pp=4, batch=8))
+    with pytest.raises(ValueError, match="batch 10 is not divisible by dp·micro = 2·2"):
+        predict(SMALL, Parallel(dp=2, micro=2, batch=10))
+
+
+def test_the_seeds_claims_and_published_figures_are_computed():
+    # TP inside a node degrades gently, across nodes it collapses (the seeds' "TP <= 8")
+    llama = ModelShape(layers=32, hidden=4096, heads=32, vocab=128256, seq=4096, ffn=14336)
+    eff = {t: tp_efficiency(llama, t, H100_SXM) for t in (2, 8, 16)}
+    assert 1 > eff[2] > eff[8] > 4 * eff[16]
+    assert tp_efficiency(llama, 8, A100_SXM) < 1
+    text = published_comparison()
+    assert "published 76%" in text and "published 52%" in text and "13,923 -> 2,146" in text
