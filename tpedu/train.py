@@ -156,21 +156,28 @@ def train(config: GPTConfig, cfg: TrainConfig, train_ids: torch.Tensor, val_ids:
             )
             if rank == 0 and cfg.progress:
                 bar.write(f"step {step + 1:>5}: train loss {loss:.4f}  val loss {val:.4f}")
-    seconds = time.perf_counter() - start
-    summary = {
+    summary = _summary(config, cfg, losses, history, time.perf_counter() - start, model, tp=tp)
+    if out is not None:
+        save_model(model, cfg, out, tok)
+    return summary
+
+
+def _summary(config: GPTConfig, cfg: TrainConfig, losses: list[float], history: list[dict],
+             seconds: float, model: torch.nn.Module, **layout: object) -> dict:  # fmt: skip
+    """The run's JSON summary: final losses, tokens/s, parameters per rank, layout, settings."""
+    return {
         "final_train_loss": losses[-1] if losses else None,
         "final_val_loss": history[-1]["val_loss"] if history else None,
-        "tokens_per_second": cfg.steps * cfg.batch * config.seq_len / seconds if seconds else None,
+        "tokens_per_second": len(losses) * cfg.batch * config.seq_len / seconds
+        if seconds
+        else None,
         "parameters_per_rank": sum(p.numel() for p in model.parameters()),
         "parameters_total": count_parameters(config),
-        "tp": tp,
+        **layout,
         "losses": losses,
         "history": history,
         "settings": {"model": config.to_dict(), "train": asdict(cfg)},
     }
-    if out is not None:
-        save_model(model, cfg, out, tok)
-    return summary
 
 
 def save_model(model: TPGPT, cfg: TrainConfig, out: str | Path, tok: object | None) -> None:
@@ -355,22 +362,8 @@ def train_3d(config: GPTConfig, cfg: TrainConfig, train_ids: torch.Tensor, val_i
             )
             if rank == 0 and cfg.progress:
                 bar.write(f"step {step + 1:>5}: train loss {loss:.4f}  val loss {val:.4f}")
-    seconds = time.perf_counter() - start
-    summary = {
-        "final_train_loss": losses[-1] if losses else None,
-        "final_val_loss": history[-1]["val_loss"] if history else None,
-        "tokens_per_second": cfg.steps * cfg.batch * config.seq_len / seconds if seconds else None,
-        "parameters_per_rank": sum(p.numel() for p in stage.parameters()),
-        "parameters_total": count_parameters(config),
-        "tp": tp,
-        "pp": pp,
-        "dp": dp,
-        "micro_batches": m,
-        "zero1": zero,
-        "losses": losses,
-        "history": history,
-        "settings": {"model": config.to_dict(), "train": asdict(cfg)},
-    }
+    summary = _summary(config, cfg, losses, history, time.perf_counter() - start, stage,
+                       tp=tp, pp=pp, dp=dp, micro_batches=m, zero1=zero)  # fmt: skip
     if out is not None:
         state = gather_pipeline_state(stage, mesh)
         save_model(SimpleNamespace(config=config, gather_state_dict=lambda: state), cfg, out, tok)
