@@ -94,3 +94,27 @@ def test_bad_shapes_are_clear_errors():
         Shape(10, 1, 48, 6, t=3, sp=True)
     with pytest.raises(ValueError, match="recompute must be one of"):
         Shape(12, 3, 48, 6, recompute="half")
+
+
+def test_calculator_overlay_draws_measured_activations_over_the_prediction(monkeypatch):
+    import matplotlib.pyplot as plt
+
+    from tpedu.activation_memory import calculator_overlay
+    from tpedu.calculator import memory_calculator
+    from tpedu.memory import GB
+
+    calc = memory_calculator(on_measure=calculator_overlay).calculator
+    calc.tp.value, calc.sp.value = 2, True
+    text, measured = calculator_overlay(calc.config(), calc.settings())
+    predicted = calc.ledger().activations
+    assert "measured" in text and "✓" in text
+    # tpedu saves the paper's bytes plus its named extras (dropout masks, causal mask, ...)
+    assert predicted < measured < 1.5 * predicted
+
+    drawn = []
+    monkeypatch.setattr(plt, "show", lambda: drawn.append(plt.gca()))
+    calc._measure(lambda config, settings: ("measured here", measured))
+    hatched = [p for ax in drawn for p in ax.patches if p.get_hatch() == "//"]
+    assert len(hatched) == 1 and abs(hatched[0].get_height() - measured / GB) < 1e-9
+    static = calc.ledger().weights + calc.ledger().gradients + calc.ledger().optimizer
+    assert abs(hatched[0].get_y() - static / GB) < 1e-9

@@ -374,11 +374,29 @@ def calculator_measure(config: object, settings: dict) -> str:
     tensors; the same extras are then evaluated at the calculator's shape. pp and dp do not
     change the bytes of one layer (pp changes how many layers and micro-batches a rank holds).
     """
+    return _measure_for_calculator(config, settings)[0]
+
+
+def calculator_overlay(config: object, settings: dict) -> tuple[str, float] | str:
+    """`memory_calculator(on_measure=calculator_overlay)`: calculator_measure's text, plus the
+    activation bytes per device tpedu really saves at the chosen shape and layout (the ledger's
+    activations scaled by measured / formula per layer), which the calculator draws over its
+    predicted bar."""
+    from tpedu.memory import ledger
+
+    text, formula, measured = _measure_for_calculator(config, settings)
+    if formula is None:
+        return text
+    return text, ledger(config, **settings).activations * measured / formula
+
+
+def _measure_for_calculator(config: object, settings: dict) -> tuple[str, float | None, float]:
+    """(report, formula bytes per layer at the chosen shape, bytes tpedu saves there)."""
     from tpedu.launcher import launch
 
     t, sp, recompute = settings["tp"], settings["sp"], settings["recompute"]
     if t > 8:
-        return f"measure: tp = {t} would launch {t} CPU ranks; choose tp <= 8"
+        return f"measure: tp = {t} would launch {t} CPU ranks; choose tp <= 8", None, 0.0
     tiny = Shape(**TINY, t=t, sp=sp, recompute=recompute)
     m = launch(_measure_worker, t, tiny)[0]
     expected = sum(m.expected().values())
@@ -387,7 +405,7 @@ def calculator_measure(config: object, settings: dict) -> str:
     extras = known_extras(big, m.itemsize("dropout masks", 2), m.itemsize("norm statistics", 4))
     big_extra = sum(extras.values())
     ok = "✓" if m.total == expected else "✗"
-    return "\n".join([
+    text = "\n".join([
         f"measured one tiny layer (s={tiny.s}, b={tiny.b}, h={tiny.h}, a={tiny.a}; "
         f"{tiny.label()}), bf16, on {t} rank(s):",
         f"  formula {formula_bytes(tiny):,.0f} B + tpedu extras {expected - formula_bytes(tiny):,.0f} B"
@@ -397,6 +415,7 @@ def calculator_measure(config: object, settings: dict) -> str:
         f" (+{100 * big_extra / big_formula:.1f}%: "
         + ", ".join(f"{k} {v / 1e9:.3f} GB" for k, v in extras.items()) + ")",
     ])  # fmt: skip
+    return text, big_formula, big_formula + big_extra
 
 
 __all__ = [

@@ -10,7 +10,9 @@ fits on the chosen GPU. All arithmetic lives in tpedu/memory.py.
 
 Hook for later lessons: `memory_calculator(on_measure=f)` adds a "measure" button that calls
 `f(config, settings)` (settings: dict of tp, pp, dp, sp, recompute, zero1) and prints the string
-it returns under the prediction, e.g. bytes measured on real ranks.
+it returns under the prediction, e.g. bytes measured on real ranks. If `f` returns
+`(text, activation_bytes)`, the measured activations per device are also drawn over the
+predicted bar (lesson 09: `tpedu.activation_memory.calculator_overlay`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from tpedu.memory import GB, RECOMPUTE, GPTConfig, Ledger, ledger
 PARTS = ("weights", "gradients", "optimizer", "activations")
 COLORS = ("#4c72b0", "#55a868", "#c44e52", "#8172b2")
 SIZES = [1, 2, 4, 8, 16, 32, 64]
+MeasureHook = Callable[[GPTConfig, dict], "str | tuple[str, float]"]
 
 
 def plot_ledgers(
@@ -54,7 +57,7 @@ def plot_ledgers(
 class MemoryCalculator:
     """The widgets and their wiring; `memory_calculator()` returns `.widget`."""
 
-    def __init__(self, on_measure: Callable[[GPTConfig, dict], str] | None = None) -> None:
+    def __init__(self, on_measure: MeasureHook | None = None) -> None:
         style = {"description_width": "110px"}
         w = widgets
         self.params_b = w.BoundedFloatText(
@@ -152,15 +155,29 @@ class MemoryCalculator:
             verdict = "fits" if current.fits(self.gpu_gb.value) else "does NOT fit"
             print(f"{gb:.1f} GB per device: {verdict} on a {self.gpu_gb.value:g} GB GPU")
 
-    def _measure(self, on_measure: Callable[[GPTConfig, dict], str]) -> None:
+    def _measure(self, on_measure: MeasureHook) -> None:
         self.measured.clear_output(wait=True)
         with self.measured:
-            print(on_measure(self.config(), self.settings()))
+            result = on_measure(self.config(), self.settings())
+            text, measured = (result, None) if isinstance(result, str) else result
+            print(text)
+            if measured is not None:
+                self._draw_overlay(measured)
+
+    def _draw_overlay(self, measured_activations: float) -> None:
+        """The predicted bar with the measured activations outlined (hatched) over it."""
+        current = self.ledger()
+        fig, ax = plt.subplots(figsize=(4.5, 3.6))
+        plot_ledgers([current], [current.label], self.gpu_gb.value, ax)
+        static = (current.weights + current.gradients + current.optimizer) / GB
+        ax.bar(0, measured_activations / GB, bottom=static, width=0.6, fill=False, hatch="//",
+               edgecolor="black", label="activations, measured")  # fmt: skip
+        ax.legend(fontsize=8, loc="upper right")
+        plt.show()
+        plt.close(fig)
 
 
-def memory_calculator(
-    on_measure: Callable[[GPTConfig, dict], str] | None = None,
-) -> widgets.VBox:
+def memory_calculator(on_measure: MeasureHook | None = None) -> widgets.VBox:
     """The calculator widget; display it (last line of a cell) to use it. See the module doc."""
     return MemoryCalculator(on_measure).widget
 
