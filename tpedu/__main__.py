@@ -36,10 +36,13 @@ def hello() -> dict:
     C.all_reduce(x)
     expected = world * (world - 1) / 2
     ok = x.item() == expected
-    print(
+    # One write per line: under torchrun every rank shares the terminal, and print's separate
+    # write of "\n" lets another rank's line land in the middle of this one.
+    line = (
         f"rank {rank} of {world} on {dist.get_backend()}: all_reduce(rank) = {x.item():g} "
-        f"(expected {expected:g}) {'✓' if ok else '✗'}"
+        f"(expected {expected:g}) {'✓' if ok else '✗'}\n"
     )
+    print(line, end="", flush=True)
     if not ok:
         raise RuntimeError(f"all_reduce gave {x.item()}, expected {expected}")
     return {"rank": rank, "world_size": world, "sum": x.item()}
