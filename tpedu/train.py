@@ -17,6 +17,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -110,6 +111,16 @@ def evaluate(model: TPGPT, ids: torch.Tensor, cfg: TrainConfig, batches: int) ->
     return sum(losses) / len(losses)
 
 
+def clip_grads(params: Iterable[torch.nn.Parameter], norm: torch.Tensor, max_norm: float) -> None:
+    """Scale gradients so their global norm (computed across ranks by the caller) is <= max_norm."""
+    if max_norm <= 0:
+        return
+    scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    for p in params:
+        if p.grad is not None:
+            p.grad.mul_(scale.to(p.grad.dtype))
+
+
 def train_step(model: TPGPT, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
                step: int, cfg: TrainConfig) -> tuple[float, float]:  # fmt: skip
     """One optimizer step; returns (loss, gradient norm before clipping)."""
@@ -120,11 +131,7 @@ def train_step(model: TPGPT, opt: torch.optim.Optimizer, x: torch.Tensor, y: tor
     loss.backward()
     model.sync_grads()
     norm = model.grad_norm()
-    if cfg.grad_clip > 0:
-        scale = (cfg.grad_clip / (norm + 1e-6)).clamp(max=1.0)
-        for p in model.parameters():
-            if p.grad is not None:
-                p.grad.mul_(scale.to(p.grad.dtype))
+    clip_grads(model.parameters(), norm, cfg.grad_clip)
     opt.step()
     return loss.item(), norm.item()
 
@@ -345,11 +352,7 @@ def train_3d(config: GPTConfig, cfg: TrainConfig, train_ids: torch.Tensor, val_i
         sync_tied_grads(chunks, mesh.emb_group)
         stage.sync_grads()
         norm = grad_norm_3d(stage, mesh)
-        if cfg.grad_clip > 0:
-            scale = (cfg.grad_clip / (norm + 1e-6)).clamp(max=1.0)
-            for p in stage.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(scale.to(p.grad.dtype))
+        clip_grads(stage.parameters(), norm, cfg.grad_clip)
         opt.step()
         loss = _replica_mean(res.loss, mesh)
         losses.append(loss)
