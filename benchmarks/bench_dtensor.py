@@ -1,30 +1,40 @@
 """tpedu's tensor-parallel GPT vs PyTorch's native TP (DTensor), same model, same machine.
 
-    .venv/bin/python benchmarks/bench_dtensor.py [--tp 1 2 4] [--reps 7] [--sp]
+    .venv/bin/python benchmarks/bench_dtensor.py [--tp 1 2 4] [--reps 7] [--sp] [--explicit]
+                                                 [--overlap]
 
 For each tp: tp ranks (1 thread each) build both models from the same dense weights, check that
 they compute the same loss, then time full training steps (forward, backward, AdamW), alternating
 tpedu / DTensor so machine noise hits both; medians of the slowest rank. Also prints the time
 tpedu's ranks spend inside collectives (waiting included) and a single process using 2 threads
-(the most a 2-core machine offers without any communication).
+(the most a 2-core machine offers without any communication). Both models run the same
+attention core: flash attention (F.scaled_dot_product_attention) by default, the explicit
+softmax(q·kᵀ/√d)·v with --explicit. --overlap runs tpedu with GPTConfig(overlap_comm=True).
+
+"no-comm" is tpedu's step with every collective skipped (wrong numbers, right compute; on a
+separate copy of the model): the time no overlap or faster network could beat, so no-comm /
+DTensor is the lowest ratio this machine allows for the same arithmetic.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import statistics
 import time
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from dtensor_gpt import GPT, parallelize
-from harness import BATCH, CONFIG, batch, interleaved, load, timed_collectives
+from harness import BATCH, CONFIG, batch, interleaved, load, timed_communication
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import loss_parallel
 
 import tpedu
-from tpedu.model import TPGPT, DenseGPT
+from tpedu.model import TPGPT, DenseGPT, GPTConfig
 
 
 def copy_dense(gpt: GPT, dense: DenseGPT) -> None:
@@ -46,16 +56,36 @@ def copy_dense(gpt: GPT, dense: DenseGPT) -> None:
             mine.mlp.fc2.load_state_dict(ref.mlp.fc2.state_dict())
 
 
-def worker(reps: int, sp: bool) -> dict:
+class _Done:
+    def wait(self, *a: object, **k: object) -> bool:
+        return True
+
+
+@contextlib.contextmanager
+def no_communication() -> Iterator[None]:
+    """Every torch.distributed collective returns at once without moving data."""
+    names = ["all_reduce", "all_gather_single", "reduce_scatter_single", "broadcast"]
+    originals = {n: getattr(dist, n) for n in names}
+    for n in names:
+        setattr(dist, n, lambda *a, async_op=False, **k: _Done() if async_op else None)
+    try:
+        yield
+    finally:
+        for n, fn in originals.items():
+            setattr(dist, n, fn)
+
+
+def worker(reps: int, sp: bool, config: GPTConfig) -> dict:
     tp = dist.get_world_size()
     mesh = init_device_mesh("cpu", (tp,))
     torch.manual_seed(0)
-    dense = DenseGPT(CONFIG)
-    ours = TPGPT(dense, None)
-    theirs = GPT(CONFIG)
+    dense = DenseGPT(config)
+    ours, floor = TPGPT(dense, None), TPGPT(dense, None)
+    theirs = GPT(config)
     copy_dense(theirs, dense)
     parallelize(theirs, mesh, sequence_parallel=sp)
     opt_ours = torch.optim.AdamW(ours.parameters(), lr=1e-4)
+    opt_floor = torch.optim.AdamW(floor.parameters(), lr=1e-4)
     opt_theirs = torch.optim.AdamW(theirs.parameters(), lr=1e-4)
     ids, tgt = batch()
     losses = {}
@@ -67,6 +97,13 @@ def worker(reps: int, sp: bool) -> dict:
         ours.sync_grads()
         opt_ours.step()
         losses["tpedu"] = loss.item()
+
+    def step_floor() -> None:
+        with no_communication():
+            opt_floor.zero_grad(set_to_none=True)
+            floor(ids, tgt).backward()
+            floor.sync_grads()
+            opt_floor.step()
 
     def step_theirs() -> None:
         opt_theirs.zero_grad(set_to_none=True)
@@ -83,19 +120,19 @@ def worker(reps: int, sp: bool) -> dict:
     step_ours()
     step_theirs()
     first = dict(losses)
-    times = interleaved({"tpedu": step_ours, "dtensor": step_theirs}, reps)
+    times = interleaved({"tpedu": step_ours, "dtensor": step_theirs, "floor": step_floor}, reps)
     comm = []
     for _ in range(3):
-        with timed_collectives() as acc:
+        with timed_communication() as acc:
             dist.barrier()
             step_ours()
-        comm.append(acc[0])
+        comm.append(acc["collective"])
     return {"first_loss": first, "times": times, "comm": statistics.median(comm)}
 
 
-def single(reps: int) -> float:
+def single(reps: int, config: GPTConfig) -> float:
     torch.manual_seed(0)
-    dense = DenseGPT(CONFIG)
+    dense = DenseGPT(config)
     opt = torch.optim.AdamW(dense.parameters(), lr=1e-4)
     ids, tgt = batch()
     times = []
@@ -114,21 +151,30 @@ def main() -> None:
     ap.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--sp", action="store_true", help="DTensor with SequenceParallel norms")
+    ap.add_argument("--explicit", action="store_true", help="explicit attention in both models")
+    ap.add_argument("--overlap", action="store_true", help="tpedu with overlap_comm=True")
     args = ap.parse_args()
-    c = CONFIG
+    c = dataclasses.replace(CONFIG, fused_attention=not args.explicit, overlap_comm=args.overlap)
     print(f"model: {c.n_layers} layers, d {c.hidden}, {c.n_heads} heads, vocab {c.vocab_size}, "
           f"seq {c.seq_len}, batch {BATCH}, fp32, AdamW; torch {torch.__version__}, gloo")  # fmt: skip
     print(f"DTensor plan: Colwise/Rowwise, vocab-parallel embedding + head, loss_parallel"
-          f"{', SequenceParallel norms' if args.sp else ''}")  # fmt: skip
+          f"{', SequenceParallel norms' if args.sp else ''}; "
+          f"attention: {'explicit' if args.explicit else 'fused (SDPA)'} in both"
+          f"{'; tpedu overlap_comm' if args.overlap else ''}")  # fmt: skip
     print(load())
-    print(f"{'tp':>3} {'tpedu ms':>9} {'DTensor ms':>10} {'ratio':>6} {'tpedu comm ms':>13} "
-          f"{'loss tpedu':>10} {'loss DTensor':>12}")  # fmt: skip
+    print(f"{'tp':>3} {'tpedu ms':>9} {'DTensor ms':>10} {'ratio':>6} {'comm ms':>8} "
+          f"{'no-comm ms':>10} {'floor':>6} {'loss tpedu':>10} {'loss DTensor':>12}")  # fmt: skip
     for tp in args.tp:
-        r = tpedu.launch(worker, tp, args.reps, args.sp, timeout=1800)[0]
-        t, d = r["times"]["tpedu"], r["times"]["dtensor"]
-        print(f"{tp:>3} {1e3 * t:>9.1f} {1e3 * d:>10.1f} {t / d:>6.2f} {1e3 * r['comm']:>13.1f} "
+        r = tpedu.launch(worker, tp, args.reps, args.sp, c, timeout=1800)[0]
+        t, d, f = (r["times"][k] for k in ("tpedu", "dtensor", "floor"))
+        print(f"{tp:>3} {1e3 * t:>9.1f} {1e3 * d:>10.1f} {t / d:>6.2f} {1e3 * r['comm']:>8.1f} "
+              f"{1e3 * f:>10.1f} {f / d:>6.2f} "
               f"{r['first_loss']['tpedu']:>10.6f} {r['first_loss']['dtensor']:>12.6f}")  # fmt: skip
-    one = tpedu.launch(single, 1, args.reps, threads=2)[0]
+    print(
+        "ratio = tpedu / DTensor; comm = tpedu's time inside collectives (waits included); "
+        "floor = no-comm / DTensor"
+    )
+    one = tpedu.launch(single, 1, args.reps, c, threads=2)[0]
     print(f"single process, 2 threads, dense model: {1e3 * one:.1f} ms per step")
     print(load())
 

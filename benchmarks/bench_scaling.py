@@ -1,12 +1,23 @@
-"""TP scaling on this machine: step time split into compute and communication, and the α-β
-model's predicted communication time next to the measured one.
+"""Scaling on this machine (TP, PP, DP, 3D): step time split into compute and communication,
+the α-β model's predicted communication time next to the measured one, and the pipeline bubble.
 
-    .venv/bin/python benchmarks/bench_scaling.py [--tp 1 2 4] [--reps 5]
+    .venv/bin/python benchmarks/bench_scaling.py [--layouts 1x1x1 2x1x1 1x2x1 ...] [--reps 5]
+    .venv/bin/python benchmarks/bench_scaling.py --tp 1 2 4      # pure TP: layouts tx1x1
 
-Per tp: α and β fitted to all-reduces of 4 KB-4 MB on this machine (tpedu.cost_model), one
-traced training step (CommTracer: every collective's op, bytes, group), predicted comm time
-= Σ α-β prediction of each traced collective; measured comm = wall time inside the collectives
-(waiting for slower ranks included); compute = step - measured comm.
+A layout is tp x pp x dp. STRONG scaling: every layout trains on the same global batch
+(harness.BATCH sequences): dp splits it, pp splits each replica's share into m micro-batches
+(train.default_micro_batches: the largest m <= 2·pp dividing it). One step is train_3d's:
+pipelined forward + backward (run_schedule, 1F1B), DP bucket all-reduces launched from backward
+hooks, TP gradient fix-ups, gradient norm + clipping, AdamW; the first step's loss is printed
+(the same at every layout, up to rounding).
+
+Per layout: α and β fitted to all-reduces of 4 KB-4 MB on every group size the layout uses (all
+groups of a kind measuring at once, as in a step); one traced step (CommTracer: every call's op,
+bytes, group size); predicted comm = Σ α-β prediction of each traced call; measured comm = wall
+time inside collectives, send/recv and waits on async work (harness.timed_communication),
+slowest rank; compute = step - comm. For pp > 1 the comm column includes waiting for the
+neighbour stage, so the bubble is in it; the bubble is also measured from run_schedule's
+timeline: 1 - (F+B time summed over stages) / (stages · span), next to (p-1)/(m+p-1).
 """
 
 from __future__ import annotations
@@ -17,67 +28,203 @@ import time
 
 import torch
 import torch.distributed as dist
-from harness import BATCH, CONFIG, batch, load, slowest, timed_collectives
+from harness import BATCH, CONFIG, TINY, batch, load, timed_communication
 
 import tpedu
-from tpedu.cost_model import fit, measure
-from tpedu.model import TPGPT, DenseGPT
+from tpedu.cost_model import AlphaBeta, fit, measure
+from tpedu.data_parallel import DataParallel
+from tpedu.mesh import Layout, Mesh
+from tpedu.model import DenseGPT, GPTConfig
+from tpedu.pipeline import (
+    Event,
+    Pipe,
+    bubble_formula,
+    bubble_fraction,
+    build_stage_chunks,
+    partition,
+    schedule,
+)
 from tpedu.tracer import CommTracer
+from tpedu.train import TrainConfig, default_micro_batches, make_optimizer, step_3d
+
+FIT_SIZES = (4096, 65536, 1 << 20, 4 << 20)
+DEFAULT_LAYOUTS = ["1x1x1", "2x1x1", "1x2x1", "1x1x2", "2x2x1", "2x1x2", "1x2x2"]
 
 
-def worker(reps: int) -> dict:
-    tp = dist.get_world_size()
-    ab = fit(measure("all_reduce", [4096, 65536, 1 << 20, 4 << 20])) if tp > 1 else None
+def parse_layout(text: str) -> Layout:
+    """'2x1x2' -> Layout(tp=2, pp=1, dp=2)."""
+    parts = text.lower().split("x")
+    if len(parts) != 3 or not all(p.isdigit() for p in parts):
+        raise ValueError(f"layout {text!r} is not tp x pp x dp, e.g. 2x1x2")
+    return Layout(*(int(p) for p in parts))
+
+
+def check_layout(config: GPTConfig, layout: Layout, micro: int | None) -> None:
+    """Raise a ValueError (before anything runs) if the benchmark cannot run at `layout`."""
+    config.check(layout.tp)
+    partition(config.n_layers, layout.pp)
+    if BATCH % layout.dp:
+        raise ValueError(f"the global batch {BATCH} is not divisible by dp={layout.dp}")
+    b = BATCH // layout.dp
+    if b % (micro or default_micro_batches(b, layout.pp)):
+        raise ValueError(f"{micro} micro-batches do not divide the per-replica batch {b}")
+
+
+def fit_group_sizes(mesh: Mesh, sizes: tuple[int, ...]) -> dict[int, AlphaBeta]:
+    """{group size: α-β fitted to all-reduces on this rank's group of that size}. Collective.
+
+    Every rank is in exactly one group of each kind, so all groups of a kind measure at once,
+    competing for the cores as they do in a step."""
+    lay = mesh.layout
+    out = {}
+    for g in sorted({lay.tp, lay.pp, lay.dp} - {1}):
+        kind = next(k for k in ("tp", "pp", "dp") if getattr(lay, k) == g)
+        out[g] = fit(measure("all_reduce", list(sizes), mesh.groups[kind]))
+    return out
+
+
+def predict(fits: dict[int, AlphaBeta], op: str, nbytes: int, size: int) -> float:
+    """α-β seconds of one traced call; a group size not fitted uses the nearest fitted one."""
+    if size == 1 or not fits:
+        return 0.0
+    ab = fits[min(fits, key=lambda g: (abs(g - size), g))]
+    return ab.predict(op, nbytes, size)
+
+
+def worker(config: GPTConfig, tp: int, pp: int, dp: int, reps: int, micro: int | None = None,
+           kind: str = "1f1b", fit_sizes: tuple[int, ...] = FIT_SIZES) -> dict:  # fmt: skip
+    """One rank of a tp·pp·dp layout: fits, first loss, a traced step, `reps` timed steps."""
+    mesh = Mesh(Layout(tp, pp, dp))
+    dev = tpedu.device()
+    b = BATCH // dp
+    m = micro or default_micro_batches(b, pp)
+    fits = fit_group_sizes(mesh, fit_sizes)
     torch.manual_seed(0)
-    model = TPGPT(DenseGPT(CONFIG), None)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    ids, tgt = batch()
+    chunks = [c.to(dev) for c in build_stage_chunks(DenseGPT(config), mesh.tp_group,
+                                                     mesh.pp_rank, pp)]  # fmt: skip
+    stage = chunks[0]
+    dpar = DataParallel(stage, mesh.dp_group) if dp > 1 else None
+    cfg = TrainConfig()
+    opt = make_optimizer(stage, cfg)
+    pipe = Pipe.from_mesh(mesh)
+    acts = schedule(kind, m, pp, mesh.pp_rank)
+    ids, tgt = batch(config)
+    mine = slice(mesh.dp_rank * b, (mesh.dp_rank + 1) * b)  # this replica's share
+    xs, ys = list(ids[mine].to(dev).chunk(m)), list(tgt[mine].to(dev).chunk(m))
+    shape = (b // m, config.seq_len, config.hidden)
 
-    def step() -> None:
-        opt.zero_grad(set_to_none=True)
-        model(ids, tgt).backward()
-        model.sync_grads()
-        opt.step()
+    def step():  # noqa: ANN202 - train_3d's step, at a fixed learning rate
+        dtype = next(stage.parameters()).dtype
+        return step_3d(chunks, opt, mesh, pipe, acts, xs, ys, shape, dtype, dpar, cfg.grad_clip)[0]
 
-    step()
+    first = step().loss
     with CommTracer() as trace:
         step()
-    steps, comms = [], []
+    steps, comms, p2ps, events = [], [], [], []
     for _ in range(reps):
         dist.barrier()
-        with timed_collectives() as acc:
+        with timed_communication() as acc:
             t = time.perf_counter()
-            step()
-            steps.append(slowest(time.perf_counter() - t))
-        comms.append(slowest(acc[0]))
-    predicted = sum(ab.predict(r.op, r.bytes, r.group_size) for r in trace.records) if ab else 0.0
-    return {"step": statistics.median(steps), "comm": statistics.median(comms),
-            "predicted": predicted, "calls": len(trace.records),
-            "mbytes": trace.bytes() / 1e6, "ab": ab}  # fmt: skip
+            res = step()
+            steps.append(time.perf_counter() - t)
+        comms.append(acc["collective"] + acc["p2p"])
+        p2ps.append(acc["p2p"])
+        events.append([e for e in res.events if e.kind in ("F", "B")])
+    real = [r for r in trace.records if r.group_size > 1]  # a 1-rank group sends nothing
+    summary: dict[tuple[str, str], list[int]] = {}
+    for r in trace.records:
+        calls_bytes = summary.setdefault((r.group, r.op), [0, 0])
+        calls_bytes[0] += 1
+        calls_bytes[1] += r.bytes
+    return {"coords": (mesh.tp_rank, mesh.pp_rank, mesh.dp_rank), "micro": m,
+            "loss": None if first is None else float(first), "steps": steps, "comms": comms,
+            "p2ps": p2ps, "events": events, "fits": fits, "traced": summary,
+            "calls": len(real), "bytes": sum(r.bytes for r in real),
+            "predicted": sum(predict(fits, r.op, r.bytes, r.group_size) for r in trace.records),
+            "stage_params": sum(p.numel() for p in stage.parameters())}  # fmt: skip
+
+
+def run_layout(config: GPTConfig, layout: Layout, reps: int, micro: int | None = None,
+               kind: str = "1f1b", fit_sizes: tuple[int, ...] = FIT_SIZES) -> dict:  # fmt: skip
+    """Launch the layout and reduce the ranks' results to one table row (plus the raw ranks)."""
+    ranks = tpedu.launch(worker, layout.world, config, layout.tp, layout.pp, layout.dp, reps,
+                         micro, kind, fit_sizes, timeout=1800)  # fmt: skip
+    per_rep = lambda key: [max(r[key][i] for r in ranks) for i in range(reps)]
+    step, comm, p2p = (statistics.median(per_rep(k)) for k in ("steps", "comms", "p2ps"))
+    heavy = max(range(layout.world), key=lambda i: (ranks[i]["bytes"], -i))
+    losses = [r["loss"] for r in ranks if r["loss"] is not None and r["coords"][0] == 0]
+    row = {"layout": layout, "ranks": layout.world, "micro": ranks[0]["micro"], "step": step,
+           "comm": comm, "p2p": p2p, "compute": step - comm, "rank": heavy,
+           "predicted": ranks[heavy]["predicted"], "calls": ranks[heavy]["calls"],
+           "mbytes": ranks[heavy]["bytes"] / 1e6, "loss": sum(losses) / len(losses),
+           "fits": ranks[0]["fits"], "ranks_raw": ranks}  # fmt: skip
+    if layout.pp > 1:
+        m = row["micro"]
+        row["bubble_formula"] = bubble_formula(m, layout.pp)
+        pipes: dict[tuple[int, int], list[dict]] = {}
+        for r in ranks:
+            pipes.setdefault((r["coords"][0], r["coords"][2]), []).append(r)
+        bubbles, busy = [], [[] for _ in range(layout.pp)]
+        for i in range(reps):
+            per_pipe = []
+            for members in pipes.values():
+                evs: list[Event] = [e for r in members for e in r["events"][i]]
+                per_pipe.append(bubble_fraction(evs))
+                for r in members:
+                    busy[r["coords"][1]].append(sum(e.end - e.start for e in r["events"][i]))
+            bubbles.append(statistics.mean(per_pipe))
+        row["bubble"] = statistics.median(bubbles)
+        row["stage_busy"] = [statistics.median(b) for b in busy]
+    return row
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4])
+    how = ap.add_mutually_exclusive_group()
+    how.add_argument("--layouts", nargs="+", help=f"tp x pp x dp (default: {DEFAULT_LAYOUTS})")
+    how.add_argument("--tp", type=int, nargs="+", help="shorthand for the layouts tp x 1 x 1")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--micro-batches", type=int, help="default: train.default_micro_batches")
+    ap.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
+    ap.add_argument("--tiny", action="store_true", help="harness.TINY: checks the code path")
     a = ap.parse_args()
-    c = CONFIG
-    print(f"TPGPT {c.n_layers} layers, d {c.hidden}, vocab {c.vocab_size}, seq {c.seq_len}, "
-          f"batch {BATCH}, fp32, AdamW; 1 thread per rank")  # fmt: skip
+    layouts = [Layout(t, 1, 1) for t in a.tp] if a.tp else [
+        parse_layout(s) for s in (a.layouts or DEFAULT_LAYOUTS)]  # fmt: skip
+    c = TINY if a.tiny else CONFIG
+    for lay in layouts:
+        check_layout(c, lay, a.micro_batches)
+    print(f"GPT {c.n_layers} layers, d {c.hidden}, vocab {c.vocab_size}, seq {c.seq_len}; "
+          f"global batch {BATCH} at every layout (strong scaling), {a.schedule}, fp32, AdamW + "
+          f"clipping; 1 thread per rank")  # fmt: skip
     print(load())
-    print(f"{'tp':>3} {'step ms':>9} {'compute ms':>10} {'comm ms':>8} {'α-β ms':>7} "
-          f"{'calls':>5} {'MB':>7} {'speed-up':>8} {'α us':>6} {'β GB/s':>7}")  # fmt: skip
-    base = None
-    for tp in a.tp:
-        r = tpedu.launch(worker, tp, a.reps, timeout=1800)[0]
-        base = base or r["step"] * tp if tp == 1 else base
-        ab = r["ab"]
+    print(f"{'layout':>6} {'ranks':>5} {'m':>2} {'step ms':>8} {'compute':>8} {'comm ms':>8} "
+          f"{'p2p ms':>7} {'α-β ms':>7} {'rank':>4} {'calls':>5} {'MB':>6} {'bubble':>6} "
+          f"{'meas.':>6} {'speed-up':>8} {'loss':>9}")  # fmt: skip
+    rows, base = [], None
+    for lay in layouts:
+        r = run_layout(c, lay, a.reps, a.micro_batches, a.schedule)
+        rows.append(r)
+        base = r["step"] if lay.world == 1 else base
         speed = f"{base / r['step']:>8.2f}" if base else f"{'-':>8}"
-        alpha = f"{1e6 * ab.alpha:>6.0f}" if ab else f"{'-':>6}"
-        bw = f"{ab.bandwidth / 1e9:>7.2f}" if ab else f"{'-':>7}"
-        print(f"{tp:>3} {1e3 * r['step']:>9.1f} {1e3 * (r['step'] - r['comm']):>10.1f} "
-              f"{1e3 * r['comm']:>8.1f} {1e3 * r['predicted']:>7.1f} {r['calls']:>5} "
-              f"{r['mbytes']:>7.1f} {speed} {alpha} {bw}")  # fmt: skip
+        bub = (f"{r['bubble_formula']:>6.2f} {r['bubble']:>6.2f}" if lay.pp > 1
+               else f"{'-':>6} {'-':>6}")  # fmt: skip
+        print(f"{lay.tp}x{lay.pp}x{lay.dp:<2} {r['ranks']:>5} {r['micro']:>2} "
+              f"{1e3 * r['step']:>8.1f} {1e3 * r['compute']:>8.1f} {1e3 * r['comm']:>8.1f} "
+              f"{1e3 * r['p2p']:>7.1f} {1e3 * r['predicted']:>7.1f} {r['rank']:>4} "
+              f"{r['calls']:>5} {r['mbytes']:>6.1f} {bub} {speed} {r['loss']:>9.6f}")  # fmt: skip
+    print(
+        "step, compute, comm, p2p: medians of the slowest rank; compute = step - comm; p2p is "
+        "part of comm. α-β ms, calls, MB: the traced step of `rank` (the rank with the most "
+        "traced bytes; calls on groups of 2+ ranks). bubble: (p-1)/(m+p-1); meas.: from "
+        "run_schedule's timeline; stage F+B ms: compute of each stage (TP comm inside included)."
+    )
+    for r in rows:
+        lay = r["layout"]
+        fits = ", ".join(f"group of {g}: α {1e6 * ab.alpha:.0f} us, β⁻¹ {ab.bandwidth / 1e9:.2f} "
+                         f"GB/s" for g, ab in r["fits"].items())  # fmt: skip
+        busy = ("; stage F+B ms: " + " ".join(f"{1e3 * s:.0f}" for s in r["stage_busy"])
+                if lay.pp > 1 else "")  # fmt: skip
+        print(f"{lay.tp}x{lay.pp}x{lay.dp}: {fits or 'no communication fit (1 rank)'}{busy}")
     print(load())
 
 

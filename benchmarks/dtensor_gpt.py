@@ -5,7 +5,9 @@ positions, GELU, biases, untied head, the same explicit softmax attention), but 
 q/k/v projections: `ColwiseParallel` splits a weight into t row blocks, which would cut a fused
 [q|k|v] matrix in the wrong places (lesson 05's bug). `parallelize` applies the plan that
 torchtitan uses for Llama: ColwiseParallel / RowwiseParallel, a vocab-parallel embedding and
-head, loss_parallel, and optionally SequenceParallel for the norms.
+head, loss_parallel, and optionally SequenceParallel for the norms. The attention core runs on
+local tensors (ColwiseParallel hands back this rank's heads), so it can call the same fused
+kernel as tpedu: `fused=True` uses F.scaled_dot_product_attention, as tpedu does without dropout.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ class Block(nn.Module):
         h = c.hidden
         self.head_dim = h // c.n_heads
         self.norm1, self.norm2 = nn.LayerNorm(h), nn.LayerNorm(h)
-        self.attn = Attention(h, self.head_dim)
+        self.attn = Attention(h, self.head_dim, c.fused_attention)
         self.mlp = MLP(h, c.ffn)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -41,15 +43,18 @@ class Block(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, h: int, d: int) -> None:
+    def __init__(self, h: int, d: int, fused: bool) -> None:
         super().__init__()
-        self.d = d
+        self.d, self.fused = d, fused
         self.wq, self.wk, self.wv, self.wo = (nn.Linear(h, h) for _ in range(4))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
         # -1: the heads this rank holds (all of them without TP)
         q, k, v = (w(x).view(b, s, -1, self.d).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        if self.fused:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return self.wo(out.transpose(1, 2).reshape(b, s, -1))
         scores = q @ k.transpose(-2, -1) / self.d**0.5
         future = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
         probs = scores.masked_fill(future, float("-inf")).softmax(dim=-1)

@@ -86,3 +86,58 @@ def timed_collectives() -> Iterator[list[float]]:
     finally:
         for n, fn in originals.items():
             setattr(dist, n, fn)
+
+
+# A model small enough to check a benchmark's code path in seconds (figures mean nothing).
+TINY = GPTConfig(512, seq_len=64, n_layers=2, hidden=64, n_heads=4, tie_embeddings=False)
+
+
+class _TimedWork:
+    """A work handle (async collective, isend, irecv) whose wait() adds its wall time to acc."""
+
+    def __init__(self, work: dist.Work, acc: dict[str, float], kind: str) -> None:
+        self._work, self._acc, self._kind = work, acc, kind
+
+    def wait(self, *a: object, **k: object) -> object:
+        t = time.perf_counter()
+        try:
+            return self._work.wait(*a, **k)
+        finally:
+            self._acc[self._kind] += time.perf_counter() - t
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._work, name)
+
+
+@contextlib.contextmanager
+def timed_communication() -> Iterator[dict[str, float]]:
+    """Like `timed_collectives`, plus point-to-point and asynchronous operations.
+
+    Yields {"collective": s, "p2p": s}: wall time inside collectives and inside send/recv,
+    isend/irecv and the `wait()` of any work handle they return (an async all-reduce that
+    finished behind compute costs only its launch and a short wait: the exposed part). A
+    pipeline stage's wait for its neighbour's activation (the bubble included) counts as p2p.
+    """
+    kinds = {"all_reduce": "collective", "all_gather_single": "collective",
+             "reduce_scatter_single": "collective", "broadcast": "collective",
+             "all_to_all_single": "collective", "send": "p2p", "recv": "p2p",
+             "isend": "p2p", "irecv": "p2p"}  # fmt: skip
+    originals = {n: getattr(dist, n) for n in kinds}
+    acc = {"collective": 0.0, "p2p": 0.0}
+
+    def wrap(fn: Callable, kind: str) -> Callable:
+        def timed(*a: object, **k: object) -> object:
+            t = time.perf_counter()
+            out = fn(*a, **k)
+            acc[kind] += time.perf_counter() - t
+            return _TimedWork(out, acc, kind) if isinstance(out, dist.Work) else out
+
+        return timed
+
+    for n, kind in kinds.items():
+        setattr(dist, n, wrap(originals[n], kind))
+    try:
+        yield acc
+    finally:
+        for n, fn in originals.items():
+            setattr(dist, n, fn)

@@ -91,6 +91,47 @@ def test_parallel_equals_dense(nq, nkv, tp, bias):
             assert out["unsynced"] > 1e-3, "replicated KV grads matched before the sync?"
 
 
+def _fused_worker(nq, nkv, causal):
+    """No dropout drawn: both models take the fused (flash) path; compare them and the explicit one."""
+    dense = _dense(nq, nkv, p=0.0).to(tpedu.device())
+    dense.causal = causal
+    par = ParallelAttention.from_dense(dense)
+    explicit = _dense(nq, nkv, p=0.0).to(tpedu.device())
+    explicit.load_state_dict(dense.state_dict())
+    explicit.causal, explicit.fused = causal, False
+    x = torch.randn(2, 7, 10, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    x = x.to(tpedu.device())
+    out, saved = {}, {}
+    for name, model in (("dense", dense), ("par", par), ("explicit", explicit)):
+        xi = x.clone().requires_grad_()
+        sizes: list[int] = []
+        pack = lambda t, log=sizes: log.append(t.numel()) or t  # noqa: E731
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y = model(xi)
+        (y * x).sum().backward()
+        out[name], saved[name] = (y.detach(), xi.grad), max(sizes)
+    diffs = {
+        "tp fwd": _max(out["par"][0], out["dense"][0]),
+        "tp dx": _max(out["par"][1], out["dense"][1]),
+        "fused vs explicit fwd": _max(out["dense"][0], out["explicit"][0]),
+        "fused vs explicit dx": _max(out["dense"][1], out["explicit"][1]),
+    }
+    return diffs, saved, 2 * nq * 7 * 7  # b·a·s²: the scores tensor's size
+
+
+@pytest.mark.parametrize("nq,nkv,tp,causal", [(6, 6, 1, True), (6, 6, 2, True),
+                                               (8, 2, 4, True), (6, 3, 3, False)])  # fmt: skip
+def test_fused_attention_equals_explicit_and_stores_no_scores(nq, nkv, tp, causal):
+    """Without dropout both models run F.scaled_dot_product_attention: TP == dense, fused ==
+    explicit (flash attention's online softmax sums in another order: ~1e-16 relative), and
+    nothing of the scores' size b·a·s² is saved for backward (the explicit path saves it)."""
+    for r, (diffs, saved, scores) in enumerate(tpedu.launch(_fused_worker, tp, nq, nkv, causal)):
+        for key, d in diffs.items():
+            assert d < TOL, f"rank {r}: max |{key}| = {d:.3e}"
+        assert saved["explicit"] >= scores, f"explicit path saved at most {saved['explicit']}"
+        assert max(saved["dense"], saved["par"]) < scores, f"fused path saved {saved}"
+
+
 def _naive_chunk_worker():
     dense = _dense(4, 4, p=0.0)
     par = ParallelAttention.from_dense(dense)

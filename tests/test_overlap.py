@@ -75,3 +75,35 @@ def test_async_linear_is_bitwise_the_plain_layer_and_overlaps():
                 assert a[5] == 0 and a[7] == 1 and a[6] == 3 * 5 * 6
                 assert (p[5], p[6], p[7]) == (a[5], a[6], a[7])
                 assert res["no_input_grad"] == ["weight grad"]
+
+
+def _model_worker(activation):
+    from tpedu.model import TPGPT, DenseGPT, GPTConfig
+
+    config = GPTConfig(37, seq_len=6, n_layers=2, hidden=16, n_heads=4, activation=activation,
+                       dropout=0.1, tie_embeddings=False)  # fmt: skip
+    torch.manual_seed(0)
+    dense = DenseGPT(config)
+    ids = torch.randint(0, 37, (3, 6), generator=torch.Generator().manual_seed(1))
+    out = {}
+    for overlap in (False, True):
+        config.overlap_comm = overlap
+        model = TPGPT(dense, None)
+        with record_events() as ev:
+            loss = model(ids, ids)
+            loss.backward()
+        grads = [p.grad for p in model.parameters()]
+        out[overlap] = (loss.detach(), grads, ev.count("all_reduce issued"))
+    return out
+
+
+def test_overlap_comm_in_the_model_is_bitwise_identical():
+    """GPTConfig(overlap_comm=True): every f in front of a column-parallel matmul (QKV, fc1, the
+    head) issues its backward all-reduce asynchronously; losses and gradients are bitwise equal."""
+    for activation, asyncs in (("gelu", 2 * 2 + 1), ("swiglu", 2 + 1)):  # SwiGLU keeps its f
+        for r, out in enumerate(launch(_model_worker, 2, activation)):
+            (l0, g0, n0), (l1, g1, n1) = out[False], out[True]
+            assert n0 == 0 and n1 == asyncs, f"rank {r} {activation}: {n0}, {n1} async all-reduces"
+            assert torch.equal(l0, l1), f"rank {r}: loss {l0.item()} vs {l1.item()}"
+            diff = max((a - b).abs().max().item() for a, b in zip(g0, g1, strict=True))
+            assert diff == 0.0, f"rank {r} {activation}: max |grad difference| = {diff:.3e}"

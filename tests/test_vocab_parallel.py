@@ -35,7 +35,7 @@ def _shard(full, vocab):
     return padded[..., lo:hi].contiguous()
 
 
-def _ce_worker(logits, target, vocab):
+def _ce_worker(logits, target, vocab, inplace=False):
     dev = tpedu.device()
     logits, target = logits.to(dev), target.to(dev)
     g = torch.randn(target.shape, generator=torch.Generator().manual_seed(2), dtype=logits.dtype)
@@ -46,7 +46,8 @@ def _ce_worker(logits, target, vocab):
 
     shard = _shard(logits, vocab).requires_grad_()
     with CommTracer() as tr:
-        loss = vocab_parallel_cross_entropy(shard, target, vocab)
+        z = shard * 1.0 if inplace else shard  # inplace overwrites its input: not the leaf
+        loss = vocab_parallel_cross_entropy(z, target, vocab, inplace=inplace)
         (loss * g).sum().backward()
     lo, hi = vocab_range(vocab, dist.get_world_size(), dist.get_rank())
     real = max(0, min(hi, vocab) - lo)
@@ -60,14 +61,15 @@ def _ce_worker(logits, target, vocab):
     }  # fmt: skip
 
 
+@pytest.mark.parametrize("inplace", [False, True])
 @pytest.mark.parametrize("tp", [1, 2, 3, 4])
-def test_cross_entropy_equals_dense(tp):
+def test_cross_entropy_equals_dense(tp, inplace):
     vocab = 23  # prime: padded at every tp > 1 (tp=4: 24, the last rank holds 1 padding column)
     gen = torch.Generator().manual_seed(tp)
     logits = torch.randn(3, 5, vocab, generator=gen, dtype=torch.float64) * 3
     target = torch.randint(0, vocab, (3, 5), generator=gen)
     target[0, 0], target[1, 1], target[2, 2] = vocab - 1, 0, -100  # both ends, one ignored
-    for r, out in enumerate(tpedu.launch(_ce_worker, tp, logits, target, vocab)):
+    for r, out in enumerate(tpedu.launch(_ce_worker, tp, logits, target, vocab, inplace)):
         assert out["loss"] < TOL and out["grad"] < TOL, (
             f"rank {r}: max |loss diff| {out['loss']:.3e}, max |grad diff| {out['grad']:.3e}"
         )
@@ -106,6 +108,24 @@ def test_bad_target_is_an_error():
 
     for msg in tpedu.launch(worker, 2):
         assert "targets must be in [0, 10) or ignore_index=-100; found 10" in msg, msg
+
+
+def test_second_backward_is_an_error():
+    """The backward writes the gradient into the saved softmax (no [..., V/t] copy), so a second
+    backward through the same graph would be silently wrong: it must raise instead."""
+
+    def worker():
+        logits = torch.randn(3, 6, requires_grad=True)
+        loss = vocab_parallel_cross_entropy(logits, torch.tensor([0, 5, 11]), 12).sum()
+        loss.backward(retain_graph=True)
+        try:
+            loss.backward()
+        except RuntimeError as e:
+            return str(e)
+        return "no error"
+
+    for msg in tpedu.launch(worker, 2):
+        assert "can run only once" in msg, msg
 
 
 def _sample_worker(logits, vocab):

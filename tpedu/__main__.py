@@ -99,6 +99,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="keep the whole embedding on every rank instead of splitting the vocabulary")  # fmt: skip
     tr.add_argument("--sequence-parallel", action="store_true",
                     help="shard norms, dropout and residuals along the sequence (lesson 08)")  # fmt: skip
+    tr.add_argument("--overlap-comm", action="store_true",
+                    help="overlap each f's backward all-reduce with dL/dW (lesson 14; same result)")  # fmt: skip
     tr.add_argument("--eval-every", type=int, default=50)
     tr.add_argument("--seed", type=int, default=0)
     tr.add_argument("--out", default=None, help="directory to save the trained model in")
@@ -198,7 +200,8 @@ def _train(args: argparse.Namespace) -> int:
     config = preset(tok.vocab_size, seq_len=args.seq, n_layers=args.layers, hidden=args.hidden,
                     n_heads=args.heads, dropout=args.dropout,
                     vocab_parallel=not args.replicated_embedding,
-                    sequence_parallel=args.sequence_parallel, **kv)  # fmt: skip
+                    sequence_parallel=args.sequence_parallel, overlap_comm=args.overlap_comm,
+                    **kv)  # fmt: skip
     config = _resume_config(args, config, tok.vocab_size)
     try:
         config.check(args.nprocs)

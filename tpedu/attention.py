@@ -35,17 +35,15 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from tpedu import collectives
-from tpedu.dense import ATTENTION_DROPOUT_SITE
+from tpedu.dense import ATTENTION_DROPOUT_SITE, attend
 from tpedu.dropout import derive_seed, index_dropout
-from tpedu.layers import RowParallelLinear
+from tpedu.layers import RowParallelLinear, column_parallel_linear
 from tpedu.rope import apply_rope
 from tpedu.sequence_parallel import all_gather_linear
-from tpedu.tp_ops import copy_to_tp_region
 
 
 def valid_tp_sizes(n_heads: int, n_kv_heads: int | None = None) -> list[int]:
@@ -147,8 +145,11 @@ class ParallelAttention(nn.Module):
         rope_theta: float | None = None,
         sequence_parallel: bool = False,
         recompute_core: bool = False,
+        fused: bool = True,
     ) -> None:
         super().__init__()
+        self.fused = fused  # tpedu.dense.attend: flash attention unless a dropout mask is drawn
+        self.async_grad_allreduce = False  # True: overlap f's backward all-reduce (lesson 14)
         self.sequence_parallel, self.recompute_core = sequence_parallel, recompute_core
         self.rope_theta = rope_theta  # RoPE rotates each head on its own: no communication
         self.group = group
@@ -184,7 +185,12 @@ class ParallelAttention(nn.Module):
         sequence_parallel, recompute_core."""
         return cls(dense.qkv.weight, dense.qkv.bias, dense.out.weight, dense.out.bias,
                    dense.n_heads, dense.n_kv_heads, group, dense.causal, dense.dropout_p,
-                   dense.dropout_seed, dense.rope_theta, **kwargs)  # fmt: skip
+                   dense.dropout_seed, dense.rope_theta, fused=dense.fused, **kwargs)  # fmt: skip
+
+    @property
+    def drops(self) -> bool:
+        """Whether this forward draws a dropout mask on the probabilities (explicit path)."""
+        return self.training and self.dropout_p > 0
 
     @property
     def kv_replicas(self) -> int:
@@ -200,7 +206,8 @@ class ParallelAttention(nn.Module):
         if self.sequence_parallel:  # all-gather the sequence; backward: reduce-scatter
             qkv = all_gather_linear(x, [self.qkv_weight], [self.qkv_bias], self.group)[0]
         else:
-            qkv = F.linear(copy_to_tp_region(x, self.group), self.qkv_weight, self.qkv_bias)
+            qkv = column_parallel_linear(x, self.qkv_weight, self.qkv_bias, self.group,
+                                         async_grad_allreduce=self.async_grad_allreduce)  # fmt: skip
         b, s, _ = qkv.shape
         q, k, v = qkv.split([nq * d, nkv * d, nkv * d], dim=-1)
         q = q.view(b, s, nq, d).transpose(1, 2)  # [b, nq/t, s, d]
@@ -217,22 +224,19 @@ class ParallelAttention(nn.Module):
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: int) -> torch.Tensor:
         """softmax(q·kᵀ/√d)·v on this rank's heads: q [b, nq/t, s, d], k, v [b, nkv_r, s, d]
-        -> [b, s, nq/t·d]. No communication. Everything it saves is O(a·s²) or q, k, v."""
+        -> [b, s, nq/t·d]. No communication. It saves q, k, v plus, on the explicit path (dropout
+        drawn), the O(a·s²) probabilities; the fused path keeps only its output and logsumexp."""
         b, nq, s, d = q.shape
         nkv = k.shape[1]
         if nq != nkv:  # each KV head serves its group of q heads (a copy: skip it when 1:1)
             k = k.repeat_interleave(nq // nkv, dim=1)
             v = v.repeat_interleave(nq // nkv, dim=1)
 
-        scores = q @ k.transpose(-2, -1) / d**0.5  # [b, nq/t, s, s]
-        if self.causal:
-            future = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
-            scores = scores.masked_fill(future, float("-inf"))
-        probs = scores.softmax(dim=-1)
         seed = derive_seed(self.dropout_seed, ATTENTION_DROPOUT_SITE, step)
-        probs = index_dropout(probs, self.dropout_p, seed, (b, self.n_heads, s, s),
-                              (0, self.q_heads[0], 0, 0), self.training)  # fmt: skip
-        return (probs @ v).transpose(1, 2).reshape(b, s, nq * d)  # heads stay in rank order
+        drop = lambda p: index_dropout(p, self.dropout_p, seed, (b, self.n_heads, s, s),  # noqa: E731
+                                       (0, self.q_heads[0], 0, 0), self.training)  # fmt: skip
+        out = attend(q, k, v, self.causal, self.fused, drop if self.drops else None)
+        return out.transpose(1, 2).reshape(b, s, nq * d)  # heads stay in rank order
 
     def allreduce_replicated_kv_grads(self) -> None:
         """Sum the partial gradients of replicated KV heads over their replicas (in place).

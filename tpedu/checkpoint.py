@@ -72,7 +72,7 @@ INDEX = "index.json"
 LATEST = "latest"
 KINDS = ("replicated", "column", "row", "qkv", "vocab")
 # Config fields that choose how the model runs, not what its tensors are: they may differ.
-LAYOUT_ONLY = ("sequence_parallel", "recompute")
+LAYOUT_ONLY = ("sequence_parallel", "recompute", "fused_attention", "overlap_comm")
 
 
 class CheckpointError(ValueError):

@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from tpedu.overlap import linear_with_async_grad_allreduce
 from tpedu.sequence_parallel import all_gather_linear, reduce_scatter_to_sequence_parallel_region
 from tpedu.sharding import check_divisible, shard, unshard
 from tpedu.tp_ops import (
@@ -44,6 +45,7 @@ def column_parallel_linear(
     bias: torch.Tensor | None,
     group: dist.ProcessGroup | None = None,
     gather_output: bool = False,
+    async_grad_allreduce: bool = False,
 ) -> torch.Tensor:
     """y_r = x·W_rᵀ + b_r with this rank's row shard W_r of the dense weight.
 
@@ -51,8 +53,13 @@ def column_parallel_linear(
     -> [..., out/t] (or [..., out] if gather_output).
     Forward: no communication (+1 all-gather if gather_output). Backward: 1 all-reduce of dL/dx
     (f = copy_to_tp_region), since every rank's shard contributes to x's gradient.
+    async_grad_allreduce: the same arithmetic, with that all-reduce overlapped with dL/dW
+    (tpedu.overlap, lesson 14).
     """
-    y = F.linear(copy_to_tp_region(x, group), weight, bias)
+    if async_grad_allreduce:
+        y = linear_with_async_grad_allreduce(x, weight, bias, group)
+    else:
+        y = F.linear(copy_to_tp_region(x, group), weight, bias)
     return gather_from_tp_region(y, group) if gather_output else y
 
 
@@ -120,6 +127,7 @@ class ColumnParallelLinear(nn.Module):
         self.group = group
         self.sequence_parallel = sequence_parallel  # input [b, s/t, in]: all-gather it first
         self.gather_output = gather_output
+        self.async_grad_allreduce = False  # True: overlap f's backward all-reduce (lesson 14)
         self.tp = dist.get_world_size(group)
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         check_divisible(self.out_features, self.tp, "out_features of ColumnParallelLinear")
@@ -160,7 +168,8 @@ class ColumnParallelLinear(nn.Module):
             )
         if self.sequence_parallel:
             return all_gather_linear(x, [self.weight], [self.bias], self.group)[0]
-        y = column_parallel_linear(x, self.weight, self.bias, self.group, self.gather_output)
+        y = column_parallel_linear(x, self.weight, self.bias, self.group, self.gather_output,
+                                   self.async_grad_allreduce)  # fmt: skip
         if self.gather_output and self.inverse_order is not None:
             y = y.index_select(-1, self.inverse_order)  # back to the dense feature order
         return y

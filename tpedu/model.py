@@ -35,7 +35,7 @@ from tpedu.batches import IGNORE
 from tpedu.dense import DenseAttention, DenseMLP
 from tpedu.dropout import derive_seed, index_dropout
 from tpedu.embedding import ReplicatedEmbedding, VocabParallelEmbedding
-from tpedu.layers import ColumnParallelLinear, RowParallelLinear
+from tpedu.layers import ColumnParallelLinear, RowParallelLinear, column_parallel_linear
 from tpedu.mlp import ParallelMLP
 from tpedu.sequence_parallel import (
     all_gather_linear,
@@ -49,7 +49,6 @@ from tpedu.sequence_parallel import (
     sequence_parallel_params,
 )
 from tpedu.sharding import check_divisible
-from tpedu.tp_ops import copy_to_tp_region
 from tpedu.vocab_parallel import gather_logits, vocab_parallel_cross_entropy
 
 # Dropout call sites owned by the model (the attention and MLP modules own theirs).
@@ -81,6 +80,8 @@ class GPTConfig:
     seed: int = 0  # dropout masks
     sequence_parallel: bool = False  # TPGPT: norms, dropout, residuals on s/t positions
     recompute: str = "none"  # TPGPT: "selective" (attention core) or "full" (whole block)
+    fused_attention: bool = True  # flash attention (SDPA) whenever no dropout mask is drawn
+    overlap_comm: bool = False  # TPGPT: f's backward all-reduce overlapped with dL/dW (lesson 14)
     extra: dict = field(default_factory=dict)
 
     @property
@@ -141,7 +142,8 @@ class DenseBlock(nn.Module):
         rope = config.rope_theta if config.position == "rope" else None
         self.attn = DenseAttention(config.hidden, config.n_heads, config.kv_heads,
                                    bias=config.bias, dropout_p=config.dropout,
-                                   dropout_seed=self.seed, rope_theta=rope)  # fmt: skip
+                                   dropout_seed=self.seed, rope_theta=rope,
+                                   fused=config.fused_attention)  # fmt: skip
         self.mlp = DenseMLP(config.hidden, config.ffn, config.activation, config.bias,
                             output_dropout=config.dropout, seed=self.seed)  # fmt: skip
 
@@ -238,7 +240,8 @@ class TPBlock(nn.Module):
     """
 
     def __init__(self, dense: DenseBlock, group: dist.ProcessGroup | None,
-                 sequence_parallel: bool = False, recompute: str = "none") -> None:  # fmt: skip
+                 sequence_parallel: bool = False, recompute: str = "none",
+                 overlap_comm: bool = False) -> None:  # fmt: skip
         super().__init__()
         if recompute not in RECOMPUTE:
             raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
@@ -250,6 +253,9 @@ class TPBlock(nn.Module):
                                                  sequence_parallel=sequence_parallel,
                                                  recompute_core=recompute == "selective")  # fmt: skip
         self.mlp = ParallelMLP.from_dense(dense.mlp, group, sequence_parallel=sequence_parallel)
+        # Bitwise the same results; only the backward's timeline changes (SwiGLU's shared f and
+        # sequence parallelism keep their own paths).
+        self.attn.async_grad_allreduce = self.mlp.fc1.async_grad_allreduce = overlap_comm
         if sequence_parallel:
             mark_sequence_parallel([*self.norm1.parameters(), *self.norm2.parameters(),
                                     self.attn.out_proj.bias, self.mlp.fc2.bias])  # fmt: skip
@@ -310,7 +316,13 @@ class TPGPT(nn.Module):
         self.tok_emb = table(dense.tok_emb.weight) if self.first else None
         self.pos_emb = copy.deepcopy(dense.pos_emb) if self.first else None  # replicated
         self.blocks = nn.ModuleList(
-            TPBlock(dense.blocks[i], group, config.sequence_parallel, config.recompute)
+            TPBlock(
+                dense.blocks[i],
+                group,
+                config.sequence_parallel,
+                config.recompute,
+                config.overlap_comm,
+            )
             for i in layers
         )
         self.norm_f = copy.deepcopy(dense.norm_f) if self.last else None
@@ -360,11 +372,13 @@ class TPGPT(nn.Module):
         if sp:
             logits = all_gather_linear(h, [head.weight], [None], self.group)[0]  # [b, s, Vp/t]
         else:
-            logits = F.linear(copy_to_tp_region(h, self.group), head.weight)  # [b, s, Vp/t]
+            logits = column_parallel_linear(
+                h, head.weight, None, self.group, async_grad_allreduce=self.config.overlap_comm
+            )
         if targets is None:
             return logits
-        losses = vocab_parallel_cross_entropy(
-            logits, targets, self.config.vocab_size, self.group, IGNORE
+        losses = vocab_parallel_cross_entropy(  # inplace: these logits are ours alone
+            logits, targets, self.config.vocab_size, self.group, IGNORE, inplace=True
         )
         return losses.sum() / (targets != IGNORE).sum().clamp_min(1)
 

@@ -34,7 +34,14 @@ from tpedu.data_parallel import DataParallel, ZeRO1
 from tpedu.launcher import device
 from tpedu.mesh import Layout, Mesh
 from tpedu.model import TPGPT, DenseGPT, GPTConfig
-from tpedu.pipeline import Pipe, build_stage_chunks, partition, run_schedule, sync_tied_grads
+from tpedu.pipeline import (
+    Pipe,
+    StepResult,
+    build_stage_chunks,
+    partition,
+    run_schedule,
+    sync_tied_grads,
+)
 from tpedu.pipeline import schedule as pipeline_schedule
 from tpedu.vocab_parallel import sample, vocab_parallel_sample
 
@@ -275,6 +282,31 @@ def _replica_mean(value: torch.Tensor | None, mesh: Mesh) -> float:
     return collectives.all_reduce(t).item() / mesh.layout.dp
 
 
+def step_3d(chunks: list[TPGPT], opt: torch.optim.Optimizer, mesh: Mesh, pipe: Pipe,
+            acts: list, xs: list[torch.Tensor], ys: list[torch.Tensor], shape: tuple,
+            dtype: torch.dtype, dpar: DataParallel | None, max_norm: float,
+            step: int = 0) -> tuple[StepResult, torch.Tensor]:  # fmt: skip
+    """One training step of this rank's stage; returns (run_schedule's result, gradient norm).
+
+    xs, ys: this replica's micro-batches (the first / last stage use them); acts: the pipeline
+    schedule's actions. Communication, in order: the pipeline's sends and receives, DP bucket
+    all-reduces during the last micro-batch's backward (`dpar`), the tied-embedding all-reduce
+    (first + last stage), the TP gradient fix-ups, 2 all-reduces for the global gradient norm.
+    """
+    stage = chunks[0]
+    opt.zero_grad(set_to_none=True)
+    res = run_schedule(chunks, acts, pipe, xs, ys, shape, dtype, step=step,
+                       no_sync=dpar.no_sync if dpar else None)  # fmt: skip
+    if dpar is not None:
+        dpar.finish()
+    sync_tied_grads(chunks, mesh.emb_group)
+    stage.sync_grads()
+    norm = grad_norm_3d(stage, mesh)
+    clip_grads(stage.parameters(), norm, max_norm)
+    opt.step()
+    return res, norm
+
+
 def train_3d(config: GPTConfig, cfg: TrainConfig, train_ids: torch.Tensor, val_ids: torch.Tensor,
              tp: int = 1, pp: int = 1, dp: int = 1, micro_batches: int | None = None,
              zero: bool = False, kind: str = "1f1b", out: str | None = None,
@@ -343,17 +375,9 @@ def train_3d(config: GPTConfig, cfg: TrainConfig, train_ids: torch.Tensor, val_i
     for step in bar:
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg)
-        opt.zero_grad(set_to_none=True)
         xs, ys = micro(train_ids, step, cfg.seed)
-        res = run_schedule(chunks, acts, pipe, xs, ys, shape, dtype, step=step,
-                           no_sync=dpar.no_sync if dpar else None)  # fmt: skip
-        if dpar is not None:
-            dpar.finish()
-        sync_tied_grads(chunks, mesh.emb_group)
-        stage.sync_grads()
-        norm = grad_norm_3d(stage, mesh)
-        clip_grads(stage.parameters(), norm, cfg.grad_clip)
-        opt.step()
+        res, norm = step_3d(chunks, opt, mesh, pipe, acts, xs, ys, shape, dtype, dpar,
+                            cfg.grad_clip, step)  # fmt: skip
         loss = _replica_mean(res.loss, mesh)
         losses.append(loss)
         checkpoint.save_if_due(cfg, step + 1, chunks, opt, mesh=mesh, zero1=zero, tok=tok)
