@@ -7,6 +7,8 @@ reorder sums (≈1e-7 relative each); over 3 AdamW steps the losses stay within 
 1/dp, an unsummed tied embedding, a wrong data slice) moves them by ≥1e-3.
 """
 
+import dataclasses
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -76,6 +78,15 @@ def test_3d_2x2x2_matches_one_process(reference, tmp_path):
 @pytest.mark.parametrize("layout", [(1, 2, 2), (2, 1, 2), (2, 2, 1)])
 def test_smaller_layouts_match_one_process(reference, layout):
     check(run_3d(layout)[0], reference["layernorm"], str(layout))
+
+
+def test_sequence_parallel_inside_pipeline_stages(reference):
+    """SP + PP: each stage runs its blocks on sequence shards and the stages pass [b/m, s/t, H]
+    activations; training still equals one process."""
+    sp = dataclasses.replace(CONFIG, sequence_parallel=True)
+    results = run_3d((2, 2, 1), sp)
+    assert all(r["losses"] == results[0]["losses"] for r in results)
+    check(results[0], reference["layernorm"], "(2,2,1) with sequence parallelism")
 
 
 def test_untied_llama_with_zero1_and_gpipe(reference):
