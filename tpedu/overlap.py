@@ -16,7 +16,9 @@ Communication fuses f into the linear layer so backward can do:
 
 Same arithmetic in the same order, so the results are bitwise those of the unfused layer; only
 the timeline changes. `record_events()` logs the order (issue / weight grad / wait) for tests and
-the lesson; the gain is measured in benchmarks/bench_overlap.py.
+the lesson; the gain is measured in benchmarks/bench_overlap.py. In the model it is switched on
+by GPTConfig(overlap_comm=True): `tpedu.layers.column_parallel_linear(...,
+async_grad_allreduce=True)` in front of QKV, fc1 and the vocab-parallel head.
 
 (On GPUs Megatron also sets CUDA_DEVICE_MAX_CONNECTIONS=1 so the all-reduce's kernel is
 scheduled before the weight-gradient GEMM; with gloo on CPU the collective runs on gloo's own
