@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tpedu.memory import (
-    GPTConfig,
+    LedgerConfig,
     TinyGPT,
     activation_bytes_per_layer,
     adamw_step,
@@ -21,10 +21,10 @@ from tpedu.memory import (
 matplotlib.use("Agg")
 
 CONFIGS = [
-    GPTConfig(n_layers=2, hidden=24, heads=4, vocab=97, seq_len=16, micro_batch=2),
-    GPTConfig(n_layers=3, hidden=30, heads=6, vocab=101, seq_len=9, kv_heads=2, ffn_hidden=50),
-    GPTConfig(n_layers=1, hidden=20, heads=5, vocab=53, seq_len=0, tied_embeddings=False),
-    GPTConfig(
+    LedgerConfig(n_layers=2, hidden=24, heads=4, vocab=97, seq_len=16, micro_batch=2),
+    LedgerConfig(n_layers=3, hidden=30, heads=6, vocab=101, seq_len=9, kv_heads=2, ffn_hidden=50),
+    LedgerConfig(n_layers=1, hidden=20, heads=5, vocab=53, seq_len=0, tied_embeddings=False),
+    LedgerConfig(
         n_layers=2, hidden=18, heads=3, vocab=67, seq_len=7, bias=False, tied_embeddings=False
     ),
 ]
@@ -53,7 +53,7 @@ def test_measured_bytes_equal_formula():
     assert measured.bookkeeping == 4 * len(list(model.parameters()))  # one fp32 step per tensor
     assert training_bytes(n, 4, 4, 8) == measured.total - measured.bookkeeping
     # A tied LM head is one storage: untying it adds exactly V·h parameters' worth of every line.
-    untied = TinyGPT(GPTConfig(**{**CONFIGS[1].__dict__, "tied_embeddings": False}))
+    untied = TinyGPT(LedgerConfig(**{**CONFIGS[1].__dict__, "tied_embeddings": False}))
     m2 = measure_training_bytes(untied, adamw_step(untied))
     vh = CONFIGS[1].vocab * CONFIGS[1].hidden
     assert (m2.weights - measured.weights, m2.optimizer - measured.optimizer) == (4 * vh, 8 * vh)
@@ -81,7 +81,9 @@ def sharded_count(model, tp):
 
 
 def test_ledger_tensor_parallel_division():
-    config = GPTConfig(n_layers=2, hidden=36, heads=6, vocab=101, seq_len=8, tied_embeddings=False)
+    config = LedgerConfig(
+        n_layers=2, hidden=36, heads=6, vocab=101, seq_len=8, tied_embeddings=False
+    )
     model = TinyGPT(config)
     base = ledger(config)
     for tp in (1, 2, 3, 6):
@@ -98,7 +100,7 @@ def test_ledger_tensor_parallel_division():
 
 
 def test_ledger_pipeline_and_data_parallel_division():
-    c = GPTConfig(n_layers=7, hidden=32, heads=4, vocab=90, seq_len=12, micro_batch=3)
+    c = LedgerConfig(n_layers=7, hidden=32, heads=4, vocab=90, seq_len=12, micro_batch=3)
     h = c.hidden
     per_layer = 12 * h * h + 13 * h
     act = activation_bytes_per_layer(c.seq_len, c.micro_batch, h, c.heads)
@@ -141,7 +143,7 @@ def test_activation_formulas_reduce():
 
 
 def test_bad_input_messages():
-    c = GPTConfig(n_layers=4, hidden=64, heads=8, vocab=100, seq_len=8)
+    c = LedgerConfig(n_layers=4, hidden=64, heads=8, vocab=100, seq_len=8)
     with pytest.raises(
         ValueError, match=r"8 heads are not divisible by tp=3; valid tp values: 1, 2, 4, 8"
     ):
@@ -161,7 +163,7 @@ def test_calculator_wires_widgets_to_ledger(capsys):
     box = memory_calculator(on_measure=lambda cfg, st: calls.append((cfg, st)) or "measured")
     calc = box.calculator
     calc.params_b.value = 7.0  # typing a size sets the layer count
-    assert calc.layers.value == GPTConfig().with_params(7e9).n_layers
+    assert calc.layers.value == LedgerConfig().with_params(7e9).n_layers
     calc.tp.value, calc.sp.value, calc.zero1.value, calc.dp.value = 4, True, True, 2
     assert calc.ledger() == ledger(calc.config(), tp=4, dp=2, sp=True, zero1=True)
     calc.widget.children[2].click()  # the "measure" hook

@@ -22,12 +22,12 @@ from collections.abc import Callable
 import ipywidgets as widgets
 import matplotlib.pyplot as plt
 
-from tpedu.memory import GB, RECOMPUTE, GPTConfig, Ledger, ledger
+from tpedu.memory import GB, RECOMPUTE, Ledger, LedgerConfig, ledger
 
 PARTS = ("weights", "gradients", "optimizer", "activations")
 COLORS = ("#4c72b0", "#55a868", "#c44e52", "#8172b2")
 SIZES = [1, 2, 4, 8, 16, 32, 64]
-MeasureHook = Callable[[GPTConfig, dict], "str | tuple[str, float]"]
+MeasureHook = Callable[[LedgerConfig, dict], "str | tuple[str, float]"]
 
 
 def plot_ledgers(
@@ -106,8 +106,8 @@ class MemoryCalculator:
     def _settings(self) -> list[widgets.Widget]:
         return [self.tp, self.pp, self.dp, self.sp, self.recompute, self.zero1]
 
-    def config(self) -> GPTConfig:
-        return GPTConfig(
+    def config(self) -> LedgerConfig:
+        return LedgerConfig(
             n_layers=self.layers.value,
             hidden=self.hidden.value,
             heads=self.heads.value,

@@ -154,7 +154,7 @@ def _check_tp(tp: int) -> None:
 
 
 @dataclass(frozen=True)
-class GPTConfig:
+class LedgerConfig:
     """A GPT-2-style model plus the micro-batch it trains on (everything the ledger needs)."""
 
     n_layers: int = 32
@@ -184,7 +184,7 @@ class GPTConfig:
             self.heads, self.kv_heads, self.tied_embeddings, self.bias,
         )  # fmt: skip
 
-    def with_params(self, n_params: float) -> GPTConfig:
+    def with_params(self, n_params: float) -> LedgerConfig:
         """The same shape family scaled to about `n_params`: n_layers = params / (12h² + 13h)."""
         per_layer = 12 * self.hidden**2 + 13 * self.hidden
         return replace(self, n_layers=max(1, round(n_params / per_layer)))
@@ -194,7 +194,7 @@ def _valid_divisors(n: int, limit: int = 64) -> str:
     return ", ".join(str(d) for d in range(1, min(n, limit) + 1) if n % d == 0)
 
 
-def check_parallel(config: GPTConfig, tp: int = 1, pp: int = 1, dp: int = 1) -> None:
+def check_parallel(config: LedgerConfig, tp: int = 1, pp: int = 1, dp: int = 1) -> None:
     """Raise a ValueError naming the problem and the fix if (tp, pp, dp) cannot split `config`."""
     for name, value in (("tp", tp), ("pp", pp), ("dp", dp)):
         if not isinstance(value, int) or value < 1:
@@ -252,7 +252,7 @@ class Ledger:
 
 
 def ledger(
-    config: GPTConfig,
+    config: LedgerConfig,
     tp: int = 1,
     pp: int = 1,
     dp: int = 1,
@@ -320,7 +320,7 @@ def ledger(
 
 
 class _Block(nn.Module):
-    def __init__(self, c: GPTConfig) -> None:
+    def __init__(self, c: LedgerConfig) -> None:
         super().__init__()
         h, hd = c.hidden, c.hidden // c.heads
         self.heads, self.kv_heads = c.heads, c.kv
@@ -350,7 +350,7 @@ class TinyGPT(nn.Module):
     Only for checking the ledger against real tensors; the course's model comes in later lessons.
     """
 
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: LedgerConfig) -> None:
         super().__init__()
         c = self.config = config
         check_parallel(c)
