@@ -91,6 +91,14 @@ def test_two_node_torchrun_on_loopback(reference, tmp_path):
             ["--tp", "1", "--pp", "2", "--micro-batches", "3", *SMALL],
             "--micro-batches 3 does not divide the per-replica batch 4",
         ),  # fmt: skip
+        (
+            ["--tp", "1", "--pp", "2", "--chunks", "2", *SMALL],
+            "--pp 2 --chunks 2: 2 layers cannot be split over 4 stages",
+        ),  # fmt: skip
+        (
+            ["--tp", "1", "--pp", "2", "--chunks", "2", "--layers", "4", *SMALL[2:]],
+            "2 chunks per rank need the 'interleaved' schedule",
+        ),  # fmt: skip
         (["--tp", "1", "--dp", "0"], "--dp must be at least 1"),
         (["--tp", "4", "--pp", "4", "--dp", "4"], "tp·pp·dp = 64 is more than 4 ranks per core"),
     ],

@@ -8,6 +8,7 @@ reorder sums (≈1e-7 relative each); over 3 AdamW steps the losses stay within 
 """
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -98,3 +99,55 @@ def test_bad_layouts_are_clear_errors():
         run_3d((1, 1, 3))
     with pytest.raises(RankError, match="2 layers cannot be split over 3 stages"):
         run_3d((1, 3, 1))
+
+
+DEEP = GPTConfig.gpt2_like(V, seq_len=8, n_layers=4, hidden=16, n_heads=2)
+
+
+def test_interleaved_schedule_matches_one_process(tmp_path):
+    """2 chunks per rank on 2 stages (virtual stages 0-3, one block each): training, the gradient
+    norm and the gathered dense weights equal one process's; the summary names the schedule."""
+    tr, va = data()
+    ref = launch(train, 1, DEEP, CFG, tr, va, str(tmp_path / "ref"))[0]
+    results = launch(train_3d, 2, DEEP, CFG, tr, va, 1, 2, 1, None, False, "interleaved",
+                     out=str(tmp_path / "m"), chunks=2)  # fmt: skip
+    check(results[0], ref, "interleaved, 2 chunks")
+    assert (results[0]["schedule"], results[0]["chunks"], results[0]["micro_batches"]) == (
+        "interleaved",
+        2,
+        4,
+    )
+    a, b = (
+        load_file(tmp_path / "m" / "model.safetensors"),
+        load_file(tmp_path / "ref" / "model.safetensors"),
+    )
+    assert set(a) == set(b)
+    for k in a:
+        diff = (a[k] - b[k]).abs().max().item()
+        assert diff <= 1e-4 * b[k].abs().max().item(), f"{k}: max |interleaved - one| = {diff:.1e}"
+
+
+def test_schedule_errors_name_the_fix():
+    with pytest.raises(RankError, match="2 chunks per rank need the 'interleaved' schedule"):
+        run_3d((1, 2, 1), DEEP, chunks=2)
+    with pytest.raises(RankError, match="needs micro-batches divisible by pp=2, got 1"):
+        run_3d((1, 2, 1), DEEP, kind="interleaved", chunks=2, micro_batches=1)
+
+
+def test_interleaved_checkpoint_resumes_at_another_layout(tmp_path):
+    """Saved at step 3 by 2 chunks per rank on 2 stages, resumed by one process: the same
+    losses as one process training straight through; the index maps layers to their ranks."""
+    tr, va = data()
+    five = dataclasses.replace(CFG, steps=5, eval_every=5)
+    straight = launch(train, 1, DEEP, five, tr, va)[0]
+    saving = dataclasses.replace(five, ckpt_dir=str(tmp_path), save_every=3)
+    launch(train_3d, 2, DEEP, saving, tr, va, 1, 2, 1, None, False, "interleaved", chunks=2)
+    step3 = str(tmp_path / "step_00000003")
+    resumed = launch(train, 1, DEEP, dataclasses.replace(five, resume=step3), tr, va)[0]
+    assert resumed["losses"] == pytest.approx(straight["losses"][3:], rel=2e-5)
+    index = json.loads((tmp_path / "step_00000003" / "index.json").read_text())
+    assert index["layout"]["chunks"] == 2 and index["layout"]["stages"] == [
+        [i, i + 1] for i in range(4)
+    ]
+    stages = [index["tensors"][f"blocks.{i}.attn.qkv.weight"]["stage"] for i in range(4)]
+    assert stages == [0, 1, 0, 1], stages  # virtual stage c·pp + s lives on pp rank s

@@ -110,6 +110,10 @@ def _parser() -> argparse.ArgumentParser:
     tr.add_argument("--micro-batches", type=int, default=None,
                     help="micro-batches per step with --pp (default: the largest ≤ 2·pp dividing batch/dp)")  # fmt: skip
     tr.add_argument("--zero1", action="store_true", help="shard AdamW's states over --dp ranks")
+    tr.add_argument("--schedule", choices=["1f1b", "gpipe", "interleaved"], default="1f1b",
+                    help="pipeline schedule with --pp (lesson 10)")  # fmt: skip
+    tr.add_argument("--chunks", type=int, default=1,
+                    help="model chunks per pipeline rank (--schedule interleaved)")  # fmt: skip
     tr.add_argument("--ckpt-dir", default=None, help="write sharded checkpoints here (lesson 13)")
     tr.add_argument("--save-every", type=int, default=0,
                     help="checkpoint every N steps (and at the end) into --ckpt-dir")  # fmt: skip
@@ -189,7 +193,7 @@ def _train(args: argparse.Namespace) -> int:
     from tpedu.model import GPTConfig
     from tpedu.train import TrainConfig, novel_data, train, train_3d
 
-    if args.pp * args.dp > 1 or args.micro_batches or args.zero1:
+    if args.pp * args.dp > 1 or args.micro_batches or args.zero1 or args.chunks > 1:
         _check_layout(args)
     try:
         tok, train_ids, val_ids = novel_data(args.tokenizer, args.bpe_vocab)
@@ -211,10 +215,11 @@ def _train(args: argparse.Namespace) -> int:
                       warmup=min(20, args.steps // 10 + 1), eval_every=args.eval_every,
                       seed=args.seed, ckpt_dir=args.ckpt_dir, save_every=args.save_every,
                       resume=args.resume)  # fmt: skip
-    if args.pp * args.dp > 1 or args.micro_batches or args.zero1:
+    if args.pp * args.dp > 1 or args.micro_batches or args.zero1 or args.chunks > 1:
         results = run(train_3d, args.nprocs * args.pp * args.dp, config, cfg, train_ids,
                       val_ids, args.nprocs, args.pp, args.dp, args.micro_batches, args.zero1,
-                      out=args.out, tok=tok, backend=args.backend, timeout=None,
+                      args.schedule, out=args.out, tok=tok, chunks=args.chunks,
+                      backend=args.backend, timeout=None,
                       collective_timeout=args.timeout, stream=True)  # fmt: skip
     else:
         results = run(train, args.nprocs, config, cfg, train_ids, val_ids, args.out, tok,
@@ -231,6 +236,7 @@ def _train(args: argparse.Namespace) -> int:
 def _check_layout(args: argparse.Namespace) -> None:
     """The 3D layout's one-line errors, before any rank starts."""
     from tpedu.pipeline import partition
+    from tpedu.train import check_schedule, default_micro_batches
 
     if args.batch % args.dp:
         _fail(f"--batch {args.batch} is not divisible by --dp {args.dp}; "
@@ -242,9 +248,14 @@ def _check_layout(args: argparse.Namespace) -> None:
         _fail(f"--micro-batches {args.micro_batches} does not divide the per-replica batch "
               f"{per_replica} (= batch / dp); choose a divisor of {per_replica}")  # fmt: skip
     try:
-        partition(args.layers, args.pp)
+        partition(args.layers, args.pp * args.chunks)
     except ValueError as e:
-        _fail(f"--pp {args.pp}: {e}")
+        _fail(f"--pp {args.pp}{f' --chunks {args.chunks}' if args.chunks > 1 else ''}: {e}")
+    try:
+        m = args.micro_batches or default_micro_batches(per_replica, args.pp)
+        check_schedule(args.schedule, args.chunks, m, args.pp)
+    except ValueError as e:
+        _fail(f"--schedule {args.schedule} --chunks {args.chunks}: {e}")
 
 
 def _resume_config(args: argparse.Namespace, config: object, vocab_size: int) -> object:

@@ -277,7 +277,7 @@ def _finalize(root: Path, tmp: Path, step: int, header: dict, tok: object | None
                 name = key.split("/", 1)[-1]
                 entry = tensors.setdefault(key, {
                     "shape": list(shapes[name]) if shape else [], "dtype": "",
-                    "kind": kinds[key], "stage": stage_of(name, config, header["layout"]["pp"]),
+                    "kind": kinds[key], "stage": int(meta["pp_rank"]),  # the rank that wrote it
                     "shards": []})  # fmt: skip
                 entry["dtype"] = str(f.get_slice(key).get_dtype())
                 entry["shards"].append({"file": path.name, "tp_rank": int(meta["tp_rank"]),
@@ -375,8 +375,12 @@ def save(root: str | Path, model: TPGPT | Sequence[TPGPT], opt: object | None, s
         coords = (mesh.tp_rank, mesh.pp_rank, mesh.dp_rank)
     from tpedu.pipeline import partition
 
+    # stages: the layers of each virtual stage; virtual stage c·pp + s is on pp rank s (chunks
+    # > 1 only with the interleaved schedule)
+    virtual = partition(config.n_layers, pp * len(chunks))
     layout = {"tp": tp, "pp": pp, "dp": dp, "zero1": zero1,
-              "stages": [[r.start, r.stop] for r in partition(config.n_layers, pp)]}  # fmt: skip
+              **({"chunks": len(chunks)} if len(chunks) > 1 else {}),  # absent: 1
+              "stages": [[r.start, r.stop] for r in virtual]}  # fmt: skip
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     tmp = Path(root) / f".tmp-{step_name(step)}"
     error: BaseException | None = None

@@ -17,7 +17,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -257,19 +257,23 @@ def default_micro_batches(per_rank_batch: int, pp: int) -> int:
     return max(m for m in range(1, min(2 * pp, per_rank_batch) + 1) if per_rank_batch % m == 0)
 
 
-def grad_norm_3d(stage: TPGPT, mesh: Mesh) -> torch.Tensor:
+def grad_norm_3d(stage: TPGPT | Sequence[TPGPT], mesh: Mesh) -> torch.Tensor:
     """L2 norm of the whole model's gradient on every rank of a 3D layout. 2 small all-reduces.
 
-    Within a stage, TP copies are counted once (as `TPGPT.grad_norm`); then the stages' sums of
-    squares are added over the PP group, leaving out the last stage's copy of a tied embedding
-    (its gradient equals the first stage's after `sync_tied_grads`). DP replicas hold identical
-    gradients after the all-reduce: no DP reduction.
+    `stage`: this rank's TPGPT, or its chunks (interleaved schedule). Within a stage, TP copies
+    are counted once (as `TPGPT.grad_norm`); then the stages' sums of squares are added over the
+    PP group, leaving out the last stage's copy of a tied embedding (its gradient equals the
+    first stage's after `sync_tied_grads`). DP replicas hold identical gradients after the
+    all-reduce: no DP reduction.
     """
-    tied_copy = stage.lm_head.weight if stage.config.tie_embeddings and stage.lm_head else None
-    sq = torch.zeros((), dtype=torch.float64, device=next(stage.parameters()).device)
-    for p in stage.parameters():
-        if p.grad is not None and p is not tied_copy:
-            sq += (p.grad.double().square() / stage._copies.get(id(p), stage.tp)).sum()
+    chunks = [stage] if isinstance(stage, TPGPT) else list(stage)
+    sq = torch.zeros((), dtype=torch.float64, device=next(chunks[0].parameters()).device)
+    for chunk in chunks:
+        tied = chunk.config.tie_embeddings and chunk.lm_head is not None
+        tied_copy = chunk.lm_head.weight if tied else None
+        for p in chunk.parameters():
+            if p.grad is not None and p is not tied_copy:
+                sq += (p.grad.double().square() / chunk._copies.get(id(p), chunk.tp)).sum()
     collectives.all_reduce(sq, mesh.tp_group)
     return collectives.all_reduce(sq, mesh.pp_group).sqrt()
 
@@ -288,34 +292,48 @@ def step_3d(chunks: list[TPGPT], opt: torch.optim.Optimizer, mesh: Mesh, pipe: P
             step: int = 0) -> tuple[StepResult, torch.Tensor]:  # fmt: skip
     """One training step of this rank's stage; returns (run_schedule's result, gradient norm).
 
-    xs, ys: this replica's micro-batches (the first / last stage use them); acts: the pipeline
+    chunks: this rank's TPGPT chunks (one, or several with the interleaved schedule); xs, ys:
+    this replica's micro-batches (the first / last stage use them); acts: the pipeline
     schedule's actions. Communication, in order: the pipeline's sends and receives, DP bucket
     all-reduces during the last micro-batch's backward (`dpar`), the tied-embedding all-reduce
     (first + last stage), the TP gradient fix-ups, 2 all-reduces for the global gradient norm.
     """
-    stage = chunks[0]
     opt.zero_grad(set_to_none=True)
     res = run_schedule(chunks, acts, pipe, xs, ys, shape, dtype, step=step,
                        no_sync=dpar.no_sync if dpar else None)  # fmt: skip
     if dpar is not None:
         dpar.finish()
     sync_tied_grads(chunks, mesh.emb_group)
-    stage.sync_grads()
-    norm = grad_norm_3d(stage, mesh)
-    clip_grads(stage.parameters(), norm, max_norm)
+    for chunk in chunks:
+        chunk.sync_grads()
+    norm = grad_norm_3d(chunks, mesh)
+    clip_grads((p for chunk in chunks for p in chunk.parameters()), norm, max_norm)
     opt.step()
     return res, norm
+
+
+def check_schedule(kind: str, chunks: int, n_micro: int, pp: int) -> None:
+    """Raise a ValueError naming the fix unless `kind` can run `chunks` chunks per rank."""
+    if kind not in ("1f1b", "gpipe", "interleaved"):
+        raise ValueError(f"unknown schedule {kind!r}; choose '1f1b', 'gpipe' or 'interleaved'")
+    if chunks < 1 or (chunks > 1 and kind != "interleaved"):
+        raise ValueError(f"{chunks} chunks per rank need the 'interleaved' schedule "
+                         f"('{kind}' runs one chunk per rank)")  # fmt: skip
+    if kind == "interleaved" and chunks > 1 and n_micro % pp:
+        raise ValueError(f"the interleaved schedule needs micro-batches divisible by pp={pp}, "
+                         f"got {n_micro}; use {pp}, {2 * pp}, ...")  # fmt: skip
 
 
 def train_3d(config: GPTConfig, cfg: TrainConfig, train_ids: torch.Tensor, val_ids: torch.Tensor,
              tp: int = 1, pp: int = 1, dp: int = 1, micro_batches: int | None = None,
              zero: bool = False, kind: str = "1f1b", out: str | None = None,
-             tok: object | None = None) -> dict:  # fmt: skip
+             tok: object | None = None, chunks: int = 1) -> dict:  # fmt: skip
     """Train with tp·pp·dp ranks (the world); the same losses as one process, step by step.
 
     `cfg.batch` is the global batch: each DP replica draws its slice of the same global batch
     (`packed_batch(..., dp_rank, dp)`), splits it into `micro_batches` for the pipeline
-    (schedule `kind`), and every TP/PP rank of a replica sees the same data. Per step: the
+    (schedule `kind`: "1f1b", "gpipe", or "interleaved" with `chunks` model chunks per rank),
+    and every TP/PP rank of a replica sees the same data. Per step: the
     pipeline's point-to-point sends, bucketed DP all-reduces during the last micro-batch's
     backward, the tied-embedding all-reduce (first + last stage), 2 all-reduces for the gradient
     norm, and with `zero` (ZeRO-1) one broadcast per DP rank after the optimizer step.
@@ -332,10 +350,11 @@ def train_3d(config: GPTConfig, cfg: TrainConfig, train_ids: torch.Tensor, val_i
     if b % m:
         raise ValueError(f"the per-replica batch {b} (= batch / dp) is not divisible by "
                          f"{m} micro-batches; choose a divisor of {b}")  # fmt: skip
+    check_schedule(kind, chunks, m, pp)
     torch.manual_seed(cfg.seed)
-    chunks = [c.to(device()) for c in build_stage_chunks(DenseGPT(config), mesh.tp_group,
-                                                         mesh.pp_rank, pp)]  # fmt: skip
-    stage = chunks[0]
+    models = build_stage_chunks(DenseGPT(config), mesh.tp_group, mesh.pp_rank, pp, chunks)
+    chunks = [c.to(device()) for c in models]  # from here on: this rank's model chunks
+    stage = torch.nn.ModuleList(chunks)  # all of this rank's parameters
     dpar = DataParallel(stage, mesh.dp_group) if dp > 1 else None
     if zero:
         groups = make_optimizer(stage, cfg).param_groups
@@ -349,7 +368,8 @@ def train_3d(config: GPTConfig, cfg: TrainConfig, train_ids: torch.Tensor, val_i
     pipe = Pipe.from_mesh(mesh)
     seq = config.seq_len // (tp if getattr(config, "sequence_parallel", False) else 1)
     shape, dtype = (b // m, seq, config.hidden), next(stage.parameters()).dtype
-    acts = pipeline_schedule(kind, m, pp, mesh.pp_rank)
+    acts = pipeline_schedule(kind, m, pp, mesh.pp_rank, len(chunks))
+    forward_only = [("F", j, c) for c in range(len(chunks)) for j in range(m)]
 
     def micro(ids: torch.Tensor, step: int, seed: int) -> tuple[list, list]:
         x, y = packed_batch(ids, b, config.seq_len, step, seed, mesh.dp_rank, dp)
@@ -361,7 +381,7 @@ def train_3d(config: GPTConfig, cfg: TrainConfig, train_ids: torch.Tensor, val_i
         losses = []
         for i in range(cfg.eval_batches):
             xs, ys = micro(val_ids, i, cfg.seed + 1)
-            res = run_schedule(chunks, [("F", j) for j in range(m)], pipe, xs, ys, shape, dtype)
+            res = run_schedule(chunks, forward_only, pipe, xs, ys, shape, dtype)
             losses.append(_replica_mean(res.loss, mesh))
         stage.train()
         return sum(losses) / len(losses)
@@ -390,34 +410,38 @@ def train_3d(config: GPTConfig, cfg: TrainConfig, train_ids: torch.Tensor, val_i
             if rank == 0 and cfg.progress:
                 bar.write(f"step {step + 1:>5}: train loss {loss:.4f}  val loss {val:.4f}")
     summary = _summary(config, cfg, losses, history, time.perf_counter() - start, stage,
-                       tp=tp, pp=pp, dp=dp, micro_batches=m, zero1=zero)  # fmt: skip
+                       tp=tp, pp=pp, dp=dp, micro_batches=m, zero1=zero, schedule=kind,
+                       chunks=len(chunks))  # fmt: skip
     if out is not None:
-        state = gather_pipeline_state(stage, mesh)
+        state = gather_pipeline_state(chunks, mesh)
         save_model(SimpleNamespace(config=config, gather_state_dict=lambda: state), cfg, out, tok)
     return summary
 
 
-def gather_pipeline_state(stage: TPGPT, mesh: Mesh) -> dict[str, torch.Tensor]:
+def gather_pipeline_state(stage: TPGPT | Sequence[TPGPT], mesh: Mesh) -> dict[str, torch.Tensor]:
     """The whole dense state dict on global rank 0 (others: their stage's part). Collective.
 
-    Each stage gathers its TP shards; then tp_rank 0 of replica 0 of every later stage sends its
-    tensors to rank 0 (sorted by name, blocking send/recv: only rank 0 receives, so no cycle).
+    `stage`: this rank's TPGPT or its chunks. Each stage gathers its TP shards; then tp_rank 0
+    of replica 0 of every later stage sends its tensors to rank 0 (sorted by name, blocking
+    send/recv: only rank 0 receives, so no cycle).
     """
-    state = stage.gather_state_dict()
+    chunks = [stage] if isinstance(stage, TPGPT) else list(stage)
+    state = {k: v for chunk in chunks for k, v in chunk.gather_state_dict().items()}
     if mesh.tp_rank or mesh.dp_rank or mesh.layout.pp == 1:
         return state
     if mesh.pp_rank > 0:
         for name in sorted(state):
             collectives.send(state[name].contiguous(), 0, mesh.pp_group)
         return state
+    config, pp = chunks[0].config, mesh.layout.pp
     with torch.device("meta"):
-        shapes = DenseGPT(stage.config).state_dict()
-    parts = partition(stage.config.n_layers, mesh.layout.pp)
+        shapes = DenseGPT(config).state_dict()
+    parts = partition(config.n_layers, pp * len(chunks))  # virtual stage c·pp + s is on rank s
 
     def stage_of(name: str) -> int:
         if name.startswith("blocks."):
             i = int(name.split(".")[1])
-            return next(s for s, r in enumerate(parts) if i in r)
+            return next(vs for vs, r in enumerate(parts) if i in r) % pp
         return 0 if name.split(".")[0] in ("tok_emb", "pos_emb") else mesh.layout.pp - 1
 
     for s in range(1, mesh.layout.pp):
