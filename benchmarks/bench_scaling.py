@@ -45,7 +45,13 @@ from tpedu.pipeline import (
     schedule,
 )
 from tpedu.tracer import CommTracer
-from tpedu.train import TrainConfig, default_micro_batches, make_optimizer, step_3d
+from tpedu.train import (
+    TrainConfig,
+    check_schedule,
+    default_micro_batches,
+    make_optimizer,
+    step_3d,
+)
 
 FIT_SIZES = (4096, 65536, 1 << 20, 4 << 20)
 DEFAULT_LAYOUTS = ["1x1x1", "2x1x1", "1x2x1", "1x1x2", "2x2x1", "2x1x2", "1x2x2"]
@@ -59,15 +65,19 @@ def parse_layout(text: str) -> Layout:
     return Layout(*(int(p) for p in parts))
 
 
-def check_layout(config: GPTConfig, layout: Layout, micro: int | None) -> None:
+def check_layout(config: GPTConfig, layout: Layout, micro: int | None, kind: str = "1f1b",
+                 n_chunks: int = 1) -> None:  # fmt: skip
     """Raise a ValueError (before anything runs) if the benchmark cannot run at `layout`."""
     config.check(layout.tp)
-    partition(config.n_layers, layout.pp)
+    partition(config.n_layers, layout.pp * n_chunks)
     if BATCH % layout.dp:
         raise ValueError(f"the global batch {BATCH} is not divisible by dp={layout.dp}")
     b = BATCH // layout.dp
-    if b % (micro or default_micro_batches(b, layout.pp)):
+    m = micro or default_micro_batches(b, layout.pp)
+    if b % m:
         raise ValueError(f"{micro} micro-batches do not divide the per-replica batch {b}")
+    if layout.pp > 1:
+        check_schedule(kind, n_chunks, m, layout.pp)
 
 
 def fit_group_sizes(mesh: Mesh, sizes: tuple[int, ...]) -> dict[int, AlphaBeta]:
@@ -92,7 +102,8 @@ def predict(fits: dict[int, AlphaBeta], op: str, nbytes: int, size: int) -> floa
 
 
 def worker(config: GPTConfig, tp: int, pp: int, dp: int, reps: int, micro: int | None = None,
-           kind: str = "1f1b", fit_sizes: tuple[int, ...] = FIT_SIZES) -> dict:  # fmt: skip
+           kind: str = "1f1b", fit_sizes: tuple[int, ...] = FIT_SIZES,
+           n_chunks: int = 1) -> dict:  # fmt: skip
     """One rank of a tp·pp·dp layout: fits, first loss, a traced step, `reps` timed steps."""
     mesh = Mesh(Layout(tp, pp, dp))
     dev = tpedu.device()
@@ -101,13 +112,13 @@ def worker(config: GPTConfig, tp: int, pp: int, dp: int, reps: int, micro: int |
     fits = fit_group_sizes(mesh, fit_sizes)
     torch.manual_seed(0)
     chunks = [c.to(dev) for c in build_stage_chunks(DenseGPT(config), mesh.tp_group,
-                                                     mesh.pp_rank, pp)]  # fmt: skip
-    stage = chunks[0]
+                                                     mesh.pp_rank, pp, n_chunks)]  # fmt: skip
+    stage = torch.nn.ModuleList(chunks)  # all of this rank's parameters
     dpar = DataParallel(stage, mesh.dp_group) if dp > 1 else None
     cfg = TrainConfig()
     opt = make_optimizer(stage, cfg)
     pipe = Pipe.from_mesh(mesh)
-    acts = schedule(kind, m, pp, mesh.pp_rank)
+    acts = schedule(kind, m, pp, mesh.pp_rank, n_chunks)
     ids, tgt = batch(config)
     mine = slice(mesh.dp_rank * b, (mesh.dp_rank + 1) * b)  # this replica's share
     xs, ys = list(ids[mine].to(dev).chunk(m)), list(tgt[mine].to(dev).chunk(m))
@@ -145,10 +156,11 @@ def worker(config: GPTConfig, tp: int, pp: int, dp: int, reps: int, micro: int |
 
 
 def run_layout(config: GPTConfig, layout: Layout, reps: int, micro: int | None = None,
-               kind: str = "1f1b", fit_sizes: tuple[int, ...] = FIT_SIZES) -> dict:  # fmt: skip
+               kind: str = "1f1b", fit_sizes: tuple[int, ...] = FIT_SIZES,
+               n_chunks: int = 1) -> dict:  # fmt: skip
     """Launch the layout and reduce the ranks' results to one table row (plus the raw ranks)."""
     ranks = tpedu.launch(worker, layout.world, config, layout.tp, layout.pp, layout.dp, reps,
-                         micro, kind, fit_sizes, timeout=1800)  # fmt: skip
+                         micro, kind, fit_sizes, n_chunks, timeout=1800)  # fmt: skip
     per_rep = lambda key: [max(r[key][i] for r in ranks) for i in range(reps)]
     step, comm, p2p = (statistics.median(per_rep(k)) for k in ("steps", "comms", "p2ps"))
     heavy = max(range(layout.world), key=lambda i: (ranks[i]["bytes"], -i))
@@ -160,7 +172,7 @@ def run_layout(config: GPTConfig, layout: Layout, reps: int, micro: int | None =
            "fits": ranks[0]["fits"], "ranks_raw": ranks}  # fmt: skip
     if layout.pp > 1:
         m = row["micro"]
-        row["bubble_formula"] = bubble_formula(m, layout.pp)
+        row["bubble_formula"] = bubble_formula(m, layout.pp, n_chunks)
         pipes: dict[tuple[int, int], list[dict]] = {}
         for r in ranks:
             pipes.setdefault((r["coords"][0], r["coords"][2]), []).append(r)
@@ -185,16 +197,18 @@ def main() -> None:
     how.add_argument("--tp", type=int, nargs="+", help="shorthand for the layouts tp x 1 x 1")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--micro-batches", type=int, help="default: train.default_micro_batches")
-    ap.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
+    ap.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe", "interleaved"])
+    ap.add_argument("--chunks", type=int, default=1, help="model chunks per rank (interleaved)")
     ap.add_argument("--tiny", action="store_true", help="harness.TINY: checks the code path")
     a = ap.parse_args()
     layouts = [Layout(t, 1, 1) for t in a.tp] if a.tp else [
         parse_layout(s) for s in (a.layouts or DEFAULT_LAYOUTS)]  # fmt: skip
     c = TINY if a.tiny else CONFIG
     for lay in layouts:
-        check_layout(c, lay, a.micro_batches)
+        check_layout(c, lay, a.micro_batches, a.schedule, a.chunks)
     print(f"GPT {c.n_layers} layers, d {c.hidden}, vocab {c.vocab_size}, seq {c.seq_len}; "
-          f"global batch {BATCH} at every layout (strong scaling), {a.schedule}, fp32, AdamW + "
+          f"global batch {BATCH} at every layout (strong scaling), {a.schedule}"
+          f"{f' ({a.chunks} chunks per rank)' if a.chunks > 1 else ''}, fp32, AdamW + "
           f"clipping; 1 thread per rank")  # fmt: skip
     print(load())
     print(f"{'layout':>6} {'ranks':>5} {'m':>2} {'step ms':>8} {'compute':>8} {'comm ms':>8} "
@@ -202,7 +216,7 @@ def main() -> None:
           f"{'meas.':>6} {'speed-up':>8} {'loss':>9}")  # fmt: skip
     rows, base = [], None
     for lay in layouts:
-        r = run_layout(c, lay, a.reps, a.micro_batches, a.schedule)
+        r = run_layout(c, lay, a.reps, a.micro_batches, a.schedule, n_chunks=a.chunks)
         rows.append(r)
         base = r["step"] if lay.world == 1 else base
         speed = f"{base / r['step']:>8.2f}" if base else f"{'-':>8}"
@@ -215,8 +229,9 @@ def main() -> None:
     print(
         "step, compute, comm, p2p: medians of the slowest rank; compute = step - comm; p2p is "
         "part of comm. α-β ms, calls, MB: the traced step of `rank` (the rank with the most "
-        "traced bytes; calls on groups of 2+ ranks). bubble: (p-1)/(m+p-1); meas.: from "
-        "run_schedule's timeline; stage F+B ms: compute of each stage (TP comm inside included)."
+        "traced bytes; calls on groups of 2+ ranks). bubble: (p-1)/(v·m+p-1), v chunks per "
+        "rank; meas.: from run_schedule's timeline; stage F+B ms: compute of each stage (TP "
+        "comm inside included)."
     )
     for r in rows:
         lay = r["layout"]
