@@ -47,7 +47,6 @@ from tpedu.pipeline import (
 from tpedu.tracer import CommTracer
 from tpedu.train import (
     TrainConfig,
-    check_schedule,
     default_micro_batches,
     make_optimizer,
     step_3d,
@@ -77,7 +76,7 @@ def check_layout(config: GPTConfig, layout: Layout, micro: int | None, kind: str
     if b % m:
         raise ValueError(f"{micro} micro-batches do not divide the per-replica batch {b}")
     if layout.pp > 1:
-        check_schedule(kind, n_chunks, m, layout.pp)
+        schedule(kind, m, layout.pp, 0, n_chunks)
 
 
 def fit_group_sizes(mesh: Mesh, sizes: tuple[int, ...]) -> dict[int, AlphaBeta]:
@@ -124,8 +123,9 @@ def worker(config: GPTConfig, tp: int, pp: int, dp: int, reps: int, micro: int |
     xs, ys = list(ids[mine].to(dev).chunk(m)), list(tgt[mine].to(dev).chunk(m))
     shape = (b // m, config.seq_len, config.hidden)
 
+    dtype = next(stage.parameters()).dtype
+
     def step():  # noqa: ANN202 - train_3d's step, at a fixed learning rate
-        dtype = next(stage.parameters()).dtype
         return step_3d(chunks, opt, mesh, pipe, acts, xs, ys, shape, dtype, dpar, cfg.grad_clip)[0]
 
     first = step().loss

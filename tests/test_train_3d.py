@@ -130,7 +130,10 @@ def test_interleaved_schedule_matches_one_process(tmp_path):
 def test_schedule_errors_name_the_fix():
     with pytest.raises(RankError, match="2 chunks per rank need the 'interleaved' schedule"):
         run_3d((1, 2, 1), DEEP, chunks=2)
-    with pytest.raises(RankError, match="needs micro-batches divisible by pp=2, got 1"):
+    with pytest.raises(
+        RankError,
+        match=r"needs the number of micro-batches \(1\) divisible by the number of stages \(2\)",
+    ):
         run_3d((1, 2, 1), DEEP, kind="interleaved", chunks=2, micro_batches=1)
 
 

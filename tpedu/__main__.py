@@ -235,8 +235,8 @@ def _train(args: argparse.Namespace) -> int:
 
 def _check_layout(args: argparse.Namespace) -> None:
     """The 3D layout's one-line errors, before any rank starts."""
-    from tpedu.pipeline import partition
-    from tpedu.train import check_schedule, default_micro_batches
+    from tpedu.pipeline import partition, schedule
+    from tpedu.train import default_micro_batches
 
     if args.batch % args.dp:
         _fail(f"--batch {args.batch} is not divisible by --dp {args.dp}; "
@@ -253,7 +253,7 @@ def _check_layout(args: argparse.Namespace) -> None:
         _fail(f"--pp {args.pp}{f' --chunks {args.chunks}' if args.chunks > 1 else ''}: {e}")
     try:
         m = args.micro_batches or default_micro_batches(per_replica, args.pp)
-        check_schedule(args.schedule, args.chunks, m, args.pp)
+        schedule(args.schedule, m, args.pp, 0, args.chunks)
     except ValueError as e:
         _fail(f"--schedule {args.schedule} --chunks {args.chunks}: {e}")
 

@@ -124,7 +124,14 @@ def _check(n_micro: int, n_stages: int, stage: int) -> None:
 
 
 def schedule(kind: str, n_micro: int, n_stages: int, stage: int, chunks: int = 1) -> list[Action]:
-    """The actions of `stage` under schedule `kind` ('gpipe', '1f1b' or 'interleaved')."""
+    """The actions of `stage` under schedule `kind` ('gpipe', '1f1b' or 'interleaved').
+
+    Raises a ValueError naming the fix for an unknown kind, chunks > 1 without 'interleaved',
+    or (interleaved) micro-batches not divisible by the stages: calling it is the check.
+    """
+    if kind in ("gpipe", "1f1b") and chunks != 1:
+        raise ValueError(f"{chunks} chunks per rank need the 'interleaved' schedule "
+                         f"('{kind}' runs one chunk per rank)")  # fmt: skip
     if kind == "gpipe":
         return gpipe(n_micro, n_stages, stage)
     if kind == "1f1b":

@@ -257,16 +257,15 @@ def default_micro_batches(per_rank_batch: int, pp: int) -> int:
     return max(m for m in range(1, min(2 * pp, per_rank_batch) + 1) if per_rank_batch % m == 0)
 
 
-def grad_norm_3d(stage: TPGPT | Sequence[TPGPT], mesh: Mesh) -> torch.Tensor:
+def grad_norm_3d(chunks: Sequence[TPGPT], mesh: Mesh) -> torch.Tensor:
     """L2 norm of the whole model's gradient on every rank of a 3D layout. 2 small all-reduces.
 
-    `stage`: this rank's TPGPT, or its chunks (interleaved schedule). Within a stage, TP copies
-    are counted once (as `TPGPT.grad_norm`); then the stages' sums of squares are added over the
+    `chunks`: this rank's TPGPT chunks (one, or several with the interleaved schedule). Within
+    a stage, TP copies are counted once (as `TPGPT.grad_norm`); then the stages' sums of squares are added over the
     PP group, leaving out the last stage's copy of a tied embedding (its gradient equals the
     first stage's after `sync_tied_grads`). DP replicas hold identical gradients after the
     all-reduce: no DP reduction.
     """
-    chunks = [stage] if isinstance(stage, TPGPT) else list(stage)
     sq = torch.zeros((), dtype=torch.float64, device=next(chunks[0].parameters()).device)
     for chunk in chunks:
         tied = chunk.config.tie_embeddings and chunk.lm_head is not None
@@ -312,18 +311,6 @@ def step_3d(chunks: list[TPGPT], opt: torch.optim.Optimizer, mesh: Mesh, pipe: P
     return res, norm
 
 
-def check_schedule(kind: str, chunks: int, n_micro: int, pp: int) -> None:
-    """Raise a ValueError naming the fix unless `kind` can run `chunks` chunks per rank."""
-    if kind not in ("1f1b", "gpipe", "interleaved"):
-        raise ValueError(f"unknown schedule {kind!r}; choose '1f1b', 'gpipe' or 'interleaved'")
-    if chunks < 1 or (chunks > 1 and kind != "interleaved"):
-        raise ValueError(f"{chunks} chunks per rank need the 'interleaved' schedule "
-                         f"('{kind}' runs one chunk per rank)")  # fmt: skip
-    if kind == "interleaved" and chunks > 1 and n_micro % pp:
-        raise ValueError(f"the interleaved schedule needs micro-batches divisible by pp={pp}, "
-                         f"got {n_micro}; use {pp}, {2 * pp}, ...")  # fmt: skip
-
-
 def train_3d(config: GPTConfig, cfg: TrainConfig, train_ids: torch.Tensor, val_ids: torch.Tensor,
              tp: int = 1, pp: int = 1, dp: int = 1, micro_batches: int | None = None,
              zero: bool = False, kind: str = "1f1b", out: str | None = None,
@@ -350,7 +337,8 @@ def train_3d(config: GPTConfig, cfg: TrainConfig, train_ids: torch.Tensor, val_i
     if b % m:
         raise ValueError(f"the per-replica batch {b} (= batch / dp) is not divisible by "
                          f"{m} micro-batches; choose a divisor of {b}")  # fmt: skip
-    check_schedule(kind, chunks, m, pp)
+    acts = pipeline_schedule(kind, m, pp, mesh.pp_rank, chunks)  # raises before any model exists
+    forward_only = [("F", j, c) for c in range(chunks) for j in range(m)]
     torch.manual_seed(cfg.seed)
     models = build_stage_chunks(DenseGPT(config), mesh.tp_group, mesh.pp_rank, pp, chunks)
     chunks = [c.to(device()) for c in models]  # from here on: this rank's model chunks
@@ -368,8 +356,6 @@ def train_3d(config: GPTConfig, cfg: TrainConfig, train_ids: torch.Tensor, val_i
     pipe = Pipe.from_mesh(mesh)
     seq = config.seq_len // (tp if getattr(config, "sequence_parallel", False) else 1)
     shape, dtype = (b // m, seq, config.hidden), next(stage.parameters()).dtype
-    acts = pipeline_schedule(kind, m, pp, mesh.pp_rank, len(chunks))
-    forward_only = [("F", j, c) for c in range(len(chunks)) for j in range(m)]
 
     def micro(ids: torch.Tensor, step: int, seed: int) -> tuple[list, list]:
         x, y = packed_batch(ids, b, config.seq_len, step, seed, mesh.dp_rank, dp)
@@ -418,14 +404,13 @@ def train_3d(config: GPTConfig, cfg: TrainConfig, train_ids: torch.Tensor, val_i
     return summary
 
 
-def gather_pipeline_state(stage: TPGPT | Sequence[TPGPT], mesh: Mesh) -> dict[str, torch.Tensor]:
+def gather_pipeline_state(chunks: Sequence[TPGPT], mesh: Mesh) -> dict[str, torch.Tensor]:
     """The whole dense state dict on global rank 0 (others: their stage's part). Collective.
 
-    `stage`: this rank's TPGPT or its chunks. Each stage gathers its TP shards; then tp_rank 0
-    of replica 0 of every later stage sends its tensors to rank 0 (sorted by name, blocking
+    `chunks`: this rank's TPGPT chunks. Each stage gathers its TP shards; then tp_rank 0 of
+    replica 0 of every later stage sends its tensors to rank 0 (sorted by name, blocking
     send/recv: only rank 0 receives, so no cycle).
     """
-    chunks = [stage] if isinstance(stage, TPGPT) else list(stage)
     state = {k: v for chunk in chunks for k, v in chunk.gather_state_dict().items()}
     if mesh.tp_rank or mesh.dp_rank or mesh.layout.pp == 1:
         return state
