@@ -34,6 +34,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import loss_parallel
 
 import tpedu
+from tpedu.collectives import CompletedWork
 from tpedu.model import TPGPT, DenseGPT, GPTConfig
 
 
@@ -56,18 +57,13 @@ def copy_dense(gpt: GPT, dense: DenseGPT) -> None:
             mine.mlp.fc2.load_state_dict(ref.mlp.fc2.state_dict())
 
 
-class _Done:
-    def wait(self, *a: object, **k: object) -> bool:
-        return True
-
-
 @contextlib.contextmanager
 def no_communication() -> Iterator[None]:
     """Every torch.distributed collective returns at once without moving data."""
     names = ["all_reduce", "all_gather_single", "reduce_scatter_single", "broadcast"]
     originals = {n: getattr(dist, n) for n in names}
     for n in names:
-        setattr(dist, n, lambda *a, async_op=False, **k: _Done() if async_op else None)
+        setattr(dist, n, lambda *a, async_op=False, **k: CompletedWork() if async_op else None)
     try:
         yield
     finally:

@@ -188,11 +188,6 @@ class ParallelAttention(nn.Module):
                    dense.dropout_seed, dense.rope_theta, fused=dense.fused, **kwargs)  # fmt: skip
 
     @property
-    def drops(self) -> bool:
-        """Whether this forward draws a dropout mask on the probabilities (explicit path)."""
-        return self.training and self.dropout_p > 0
-
-    @property
     def kv_replicas(self) -> int:
         """How many ranks hold a copy of each KV head (1 unless tp > n_kv_heads)."""
         return max(1, self.tp // self.n_kv_heads)
@@ -235,7 +230,8 @@ class ParallelAttention(nn.Module):
         seed = derive_seed(self.dropout_seed, ATTENTION_DROPOUT_SITE, step)
         drop = lambda p: index_dropout(p, self.dropout_p, seed, (b, self.n_heads, s, s),  # noqa: E731
                                        (0, self.q_heads[0], 0, 0), self.training)  # fmt: skip
-        out = attend(q, k, v, self.causal, self.fused, drop if self.drops else None)
+        drops = self.training and self.dropout_p > 0  # else attend() may use the fused kernel
+        out = attend(q, k, v, self.causal, self.fused, drop if drops else None)
         return out.transpose(1, 2).reshape(b, s, nq * d)  # heads stay in rank order
 
     def allreduce_replicated_kv_grads(self) -> None:

@@ -40,7 +40,7 @@ def _trace(op: str, x: torch.Tensor, group: dist.ProcessGroup | None, numel: int
     tracer.record(op, group_name(group), dist.get_world_size(group), numel, x.element_size())
 
 
-class _Done:
+class CompletedWork:
     """The work handle of a collective that had nothing to do (a group of one rank)."""
 
     def wait(self, timeout: object = None) -> bool:
@@ -59,7 +59,7 @@ def all_reduce(
     """Sum (or `op`) `x` over the group, in place. Returns `x`, or a work handle if async."""
     _trace("all_reduce", x, group, x.numel())
     if dist.get_world_size(group) == 1:  # nothing to combine; gloo would still take ~0.4 ms
-        return _Done() if async_op else x
+        return CompletedWork() if async_op else x
     if async_op and not x.is_contiguous():
         raise ValueError("async all_reduce needs a contiguous tensor (it is reduced in place)")
     if x.is_contiguous():

@@ -166,11 +166,6 @@ class DenseAttention(nn.Module):
         self.qkv = nn.Linear(hidden, rows, bias=bias, dtype=dtype)
         self.out = nn.Linear(n_heads * self.head_dim, hidden, bias=bias, dtype=dtype)
 
-    @property
-    def drops(self) -> bool:
-        """Whether this forward draws a dropout mask on the probabilities (explicit path)."""
-        return self.training and self.dropout_p > 0
-
     def forward(self, x: torch.Tensor, step: int = 0) -> torch.Tensor:
         """x [b, s, H] -> [b, s, H]; `step` selects this step's dropout mask."""
         b, s, _ = x.shape
@@ -184,5 +179,6 @@ class DenseAttention(nn.Module):
         v = v.view(b, s, nkv, d).transpose(1, 2).repeat_interleave(nq // nkv, dim=1)
         seed = derive_seed(self.dropout_seed, ATTENTION_DROPOUT_SITE, step)
         drop = lambda p: index_dropout(p, self.dropout_p, seed, training=self.training)  # noqa: E731
-        out = attend(q, k, v, self.causal, self.fused, drop if self.drops else None)
+        drops = self.training and self.dropout_p > 0  # else attend() may use the fused kernel
+        out = attend(q, k, v, self.causal, self.fused, drop if drops else None)
         return self.out(out.transpose(1, 2).reshape(b, s, nq * d))

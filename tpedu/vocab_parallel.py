@@ -80,8 +80,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         collectives.all_reduce(m, group, op=dist.ReduceOp.MAX)
         # The one [..., Vp/t] buffer that exp, softmax and the gradient reuse. A fresh one costs
         # more than the subtraction (a 32 MB buffer is new pages for the OS to fault in).
-        fresh = inplace or z is not logits_shard  # _mask_padding already made a copy
-        z = z.sub_(m.unsqueeze(-1)) if fresh else z - m.unsqueeze(-1)
+        writable = inplace or z is not logits_shard  # _mask_padding already made a copy
+        z = z.sub_(m.unsqueeze(-1)) if writable else z - m.unsqueeze(-1)
 
         # 2. the target's (shifted) logit: only the owning rank has it, the others add 0
         owned = (target >= start) & (target < start + n)
