@@ -59,35 +59,6 @@ def interleaved(
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-@contextlib.contextmanager
-def timed_collectives() -> Iterator[list[float]]:
-    """Accumulate wall time spent inside torch.distributed collectives (what tpedu calls).
-
-    Includes waiting for the other ranks to arrive (skew): that is what a rank loses.
-    """
-    names = ["all_reduce", "all_gather_single", "reduce_scatter_single", "broadcast",
-             "all_to_all_single", "send", "recv"]  # fmt: skip
-    originals = {n: getattr(dist, n) for n in names}
-    acc = [0.0]
-
-    def wrap(fn: Callable) -> Callable:
-        def timed(*a: object, **k: object) -> object:
-            t = time.perf_counter()
-            out = fn(*a, **k)
-            acc[0] += time.perf_counter() - t
-            return out
-
-        return timed
-
-    for n in names:
-        setattr(dist, n, wrap(originals[n]))
-    try:
-        yield acc
-    finally:
-        for n, fn in originals.items():
-            setattr(dist, n, fn)
-
-
 # A model small enough to check a benchmark's code path in seconds (figures mean nothing).
 TINY = GPTConfig(512, seq_len=64, n_layers=2, hidden=64, n_heads=4, tie_embeddings=False)
 
@@ -111,8 +82,9 @@ class _TimedWork:
 
 @contextlib.contextmanager
 def timed_communication() -> Iterator[dict[str, float]]:
-    """Like `timed_collectives`, plus point-to-point and asynchronous operations.
+    """Accumulate wall time spent in torch.distributed communication (what tpedu calls).
 
+    Includes waiting for the other ranks to arrive (skew): that is what a rank loses.
     Yields {"collective": s, "p2p": s}: wall time inside collectives and inside send/recv,
     isend/irecv and the `wait()` of any work handle they return (an async all-reduce that
     finished behind compute costs only its launch and a short wait: the exposed part). A
