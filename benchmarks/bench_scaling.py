@@ -23,6 +23,7 @@ timeline: 1 - (F+B time summed over stages) / (stages · span), next to (p-1)/(m
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 
@@ -43,6 +44,7 @@ from tpedu.pipeline import (
     build_stage_chunks,
     partition,
     schedule,
+    stage_layers,
 )
 from tpedu.tracer import CommTracer
 from tpedu.train import (
@@ -199,6 +201,9 @@ def main() -> None:
     ap.add_argument("--micro-batches", type=int, help="default: train.default_micro_batches")
     ap.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe", "interleaved"])
     ap.add_argument("--chunks", type=int, default=1, help="model chunks per rank (interleaved)")
+    ap.add_argument("--stage-split", nargs="+", default=["even"], choices=["even", "flops"],
+                    help="blocks per stage: even, and/or by FLOPs with the head counted (each "
+                         "pp > 1 layout runs once per split)")  # fmt: skip
     ap.add_argument("--tiny", action="store_true", help="harness.TINY: checks the code path")
     a = ap.parse_args()
     layouts = [Layout(t, 1, 1) for t in a.tp] if a.tp else [
@@ -211,18 +216,24 @@ def main() -> None:
           f"{f' ({a.chunks} chunks per rank)' if a.chunks > 1 else ''}, fp32, AdamW + "
           f"clipping; 1 thread per rank")  # fmt: skip
     print(load())
-    print(f"{'layout':>6} {'ranks':>5} {'m':>2} {'step ms':>8} {'compute':>8} {'comm ms':>8} "
-          f"{'p2p ms':>7} {'α-β ms':>7} {'rank':>4} {'calls':>5} {'MB':>6} {'bubble':>6} "
-          f"{'meas.':>6} {'speed-up':>8} {'loss':>9}")  # fmt: skip
+    print(f"{'layout':>6} {'split':>5} {'ranks':>5} {'m':>2} {'step ms':>8} {'compute':>8} "
+          f"{'comm ms':>8} {'p2p ms':>7} {'α-β ms':>7} {'rank':>4} {'calls':>5} {'MB':>6} "
+          f"{'bubble':>6} {'meas.':>6} {'speed-up':>8} {'loss':>9}")  # fmt: skip
     rows, base = [], None
-    for lay in layouts:
-        r = run_layout(c, lay, a.reps, a.micro_batches, a.schedule, n_chunks=a.chunks)
+    runs = [
+        (lay, split) for lay in layouts for split in a.stage_split[: 1 if lay.pp == 1 else None]
+    ]
+    for lay, split in runs:
+        config = dataclasses.replace(c, stage_split=split)
+        r = run_layout(config, lay, a.reps, a.micro_batches, a.schedule, n_chunks=a.chunks)
+        r["config"] = config
         rows.append(r)
         base = r["step"] if lay.world == 1 else base
         speed = f"{base / r['step']:>8.2f}" if base else f"{'-':>8}"
         bub = (f"{r['bubble_formula']:>6.2f} {r['bubble']:>6.2f}" if lay.pp > 1
                else f"{'-':>6} {'-':>6}")  # fmt: skip
-        print(f"{lay.tp}x{lay.pp}x{lay.dp:<2} {r['ranks']:>5} {r['micro']:>2} "
+        print(f"{lay.tp}x{lay.pp}x{lay.dp:<2} {split if lay.pp > 1 else '-':>5} "
+              f"{r['ranks']:>5} {r['micro']:>2} "
               f"{1e3 * r['step']:>8.1f} {1e3 * r['compute']:>8.1f} {1e3 * r['comm']:>8.1f} "
               f"{1e3 * r['p2p']:>7.1f} {1e3 * r['predicted']:>7.1f} {r['rank']:>4} "
               f"{r['calls']:>5} {r['mbytes']:>6.1f} {bub} {speed} {r['loss']:>9.6f}")  # fmt: skip
@@ -231,15 +242,18 @@ def main() -> None:
         "part of comm. α-β ms, calls, MB: the traced step of `rank` (the rank with the most "
         "traced bytes; calls on groups of 2+ ranks). bubble: (p-1)/(v·m+p-1), v chunks per "
         "rank; meas.: from run_schedule's timeline; stage F+B ms: compute of each stage (TP "
-        "comm inside included)."
+        "comm inside included). split: blocks per pipeline stage, even or by FLOPs "
+        "(GPTConfig.stage_split)."
     )
     for r in rows:
         lay = r["layout"]
         fits = ", ".join(f"group of {g}: α {1e6 * ab.alpha:.0f} us, β⁻¹ {ab.bandwidth / 1e9:.2f} "
                          f"GB/s" for g, ab in r["fits"].items())  # fmt: skip
+        blocks = [len(b) for b in stage_layers(r["config"], lay.pp * a.chunks)]
         busy = ("; stage F+B ms: " + " ".join(f"{1e3 * s:.0f}" for s in r["stage_busy"])
-                if lay.pp > 1 else "")  # fmt: skip
-        print(f"{lay.tp}x{lay.pp}x{lay.dp}: {fits or 'no communication fit (1 rank)'}{busy}")
+                + f" (blocks per stage: {blocks})" if lay.pp > 1 else "")  # fmt: skip
+        split = f" {r['config'].stage_split}" if lay.pp > 1 else ""
+        print(f"{lay.tp}x{lay.pp}x{lay.dp}{split}: {fits or 'no communication fit (1 rank)'}{busy}")
     print(load())
 
 

@@ -48,10 +48,12 @@ def same(got, ref):
 
 def test_train_2x2x2_plainly_on_8_ranks(reference, tmp_path, capfd):
     code, out, err = tpedu(capfd, "train", "--tp", "2", "--pp", "2", "--dp", "2", *SMALL,
-                           "--json", str(tmp_path / "s.json"))  # fmt: skip
+                           "--stage-split", "flops", "--json", str(tmp_path / "s.json"))  # fmt: skip
     assert code == 0, err
     summary = json.loads(out[out.index("{") :])
     assert (summary["tp"], summary["pp"], summary["dp"]) == (2, 2, 2)
+    assert summary["stages"] == [[0, 1], [1, 2]]  # 2 blocks on 2 stages: one each, head or not
+    assert summary["settings"]["model"]["stage_split"] == "flops"
     same(losses(tmp_path / "s.json"), reference)
 
 

@@ -5,6 +5,8 @@ Tolerance: float64; a pipelined step computes each micro-batch's loss separately
 loss/m, so sums are reordered (≈1e-16 relative each); 1e-10 catches any real error (≥1e-3).
 """
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -17,11 +19,13 @@ from tpedu.pipeline import (
     bubble_formula,
     bubble_fraction,
     build_stage_chunks,
+    head_cost,
     partition,
     peak_in_flight,
     run_schedule,
     schedule,
     simulate,
+    stage_layers,
     sync_tied_grads,
 )
 
@@ -37,6 +41,36 @@ def test_partition_balances_and_gives_extras_to_the_middle():
         assert max(map(len, parts)) - min(map(len, parts)) <= 1
     with pytest.raises(ValueError, match="3 layers cannot be split over 4 stages"):
         partition(3, 4)
+
+
+def test_partition_with_a_head_cost_minimises_the_busiest_stage():
+    """head_cost counts the last stage's head and loss in blocks: that stage gets fewer blocks."""
+    assert partition(4, 2, 2.5) == [range(0, 3), range(3, 4)]  # 3 and 3.5 blocks of work
+    assert partition(8, 4, 3.0) == [range(0, 2), range(2, 5), range(5, 7), range(7, 8)]
+    assert partition(7, 3, 1.0) == partition(7, 3)  # ties keep the most blocks on the last stage
+    assert partition(4, 4, 9.0) == partition(4, 4)  # every stage needs one block
+    for n, p, h in [(9, 4, 0.7), (13, 5, 2.2), (16, 3, 4.0)]:
+        parts = partition(n, p, h)
+        cost = max(len(r) + h * (i == p - 1) for i, r in enumerate(parts))
+        # no split with another last-stage size does better (brute force over all of them)
+        for last in range(1, n - p + 2):
+            rest = n - last
+            assert cost <= max(-(-rest // (p - 1)), last + h) + 1e-12, (n, p, h, parts)
+        assert [r.start for r in parts[1:]] == [r.stop for r in parts[:-1]]
+
+
+def test_head_cost_is_the_flop_ratio_and_stage_split_uses_it():
+    c = GPTConfig(8192, seq_len=256, n_layers=4, hidden=256, n_heads=8)
+    block = 2 * 256 * (3 * 256 + 256 + 2 * 1024) + 2 * 256 * 256  # qkv, out, fc1, fc2; attention
+    assert head_cost(c) == pytest.approx(2 * 256 * 8192 / block)
+    swiglu = GPTConfig.llama_like(8192, seq_len=256, n_layers=4, hidden=256, n_heads=8)
+    block = 2 * 256 * (256 + 2 * 2 * 32 + 256 + 3 * 1024) + 2 * 256 * 256  # GQA: 2 kv heads
+    assert head_cost(swiglu) == pytest.approx(2 * 256 * 8192 / block)
+    assert stage_layers(c, 2) == [range(0, 2), range(2, 4)]
+    flops = dataclasses.replace(c, stage_split="flops")
+    assert stage_layers(flops, 2) == [range(0, 3), range(3, 4)]
+    with pytest.raises(ValueError, match="stage_split must be one of"):
+        dataclasses.replace(c, stage_split="fast").check()
 
 
 @pytest.mark.parametrize("p", [1, 2, 3, 4])

@@ -154,3 +154,29 @@ def test_interleaved_checkpoint_resumes_at_another_layout(tmp_path):
     ]
     stages = [index["tensors"][f"blocks.{i}.attn.qkv.weight"]["stage"] for i in range(4)]
     assert stages == [0, 1, 0, 1], stages  # virtual stage c·pp + s lives on pp rank s
+
+
+def test_flops_stage_split_trains_like_one_process_and_resumes_anywhere(tmp_path):
+    """stage_split="flops": a head worth 10 blocks (vocab 2000, hidden 16) leaves the last stage
+    one block ([0:3] [3:4]). Training equals one process; the checkpoint's index records the
+    split, and one process resumes from it with the straight run's losses."""
+    wide = dataclasses.replace(DEEP, vocab_size=2000, stage_split="flops")
+    tr, va = data()
+    five = dataclasses.replace(CFG, steps=5, eval_every=5)
+    straight = launch(train, 1, wide, five, tr, va, str(tmp_path / "ref"))[0]
+    saving = dataclasses.replace(five, ckpt_dir=str(tmp_path), save_every=3)
+    results = launch(train_3d, 2, wide, saving, tr, va, 1, 2, 1, out=str(tmp_path / "m"))
+    assert results[0]["stages"] == [[0, 3], [3, 4]]
+    check(results[0], straight, "flops split")
+    a, b = (load_file(tmp_path / d / "model.safetensors") for d in ("m", "ref"))  # gathered
+    assert set(a) == set(b)
+    for k in a:
+        assert (a[k] - b[k]).abs().max() <= 1e-4 * b[k].abs().max(), k
+    index = json.loads((tmp_path / "step_00000003" / "index.json").read_text())
+    assert index["layout"]["stages"] == [[0, 3], [3, 4]]
+    stages = [index["tensors"][f"blocks.{i}.attn.qkv.weight"]["stage"] for i in range(4)]
+    assert stages == [0, 0, 0, 1], stages
+    even = dataclasses.replace(wide, stage_split="even")  # a layout-only field: loads either way
+    resume = dataclasses.replace(five, resume=str(tmp_path / "step_00000003"))
+    resumed = launch(train, 1, even, resume, tr, va)[0]
+    assert resumed["losses"] == pytest.approx(straight["losses"][3:], rel=2e-5)

@@ -114,6 +114,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="pipeline schedule with --pp (lesson 10)")  # fmt: skip
     tr.add_argument("--chunks", type=int, default=1,
                     help="model chunks per pipeline rank (--schedule interleaved)")  # fmt: skip
+    tr.add_argument("--stage-split", choices=["even", "flops"], default="even",
+                    help="blocks per pipeline stage: even, or by FLOPs with the head counted (lesson 14)")  # fmt: skip
     tr.add_argument("--ckpt-dir", default=None, help="write sharded checkpoints here (lesson 13)")
     tr.add_argument("--save-every", type=int, default=0,
                     help="checkpoint every N steps (and at the end) into --ckpt-dir")  # fmt: skip
@@ -205,6 +207,7 @@ def _train(args: argparse.Namespace) -> int:
                     n_heads=args.heads, dropout=args.dropout,
                     vocab_parallel=not args.replicated_embedding,
                     sequence_parallel=args.sequence_parallel, overlap_comm=args.overlap_comm,
+                    stage_split=args.stage_split,
                     **kv)  # fmt: skip
     config = _resume_config(args, config, tok.vocab_size)
     try:

@@ -72,7 +72,7 @@ INDEX = "index.json"
 LATEST = "latest"
 KINDS = ("replicated", "column", "row", "qkv", "vocab")
 # Config fields that choose how the model runs, not what its tensors are: they may differ.
-LAYOUT_ONLY = ("sequence_parallel", "recompute", "fused_attention", "overlap_comm")
+LAYOUT_ONLY = ("sequence_parallel", "recompute", "fused_attention", "overlap_comm", "stage_split")
 
 
 class CheckpointError(ValueError):
@@ -150,11 +150,11 @@ def dense_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
 
 def stage_of(name: str, config: GPTConfig, pp: int) -> int:
     """The pipeline stage that holds the dense tensor `name` (embeddings first, head last)."""
-    from tpedu.pipeline import partition
+    from tpedu.pipeline import stage_layers
 
     if name.startswith("blocks."):
         i = int(name.split(".")[1])
-        return next(s for s, r in enumerate(partition(config.n_layers, pp)) if i in r)
+        return next(s for s, r in enumerate(stage_layers(config, pp)) if i in r)
     return 0 if name.split(".")[0] in ("tok_emb", "pos_emb") else pp - 1
 
 
@@ -373,11 +373,11 @@ def save(root: str | Path, model: TPGPT | Sequence[TPGPT], opt: object | None, s
         lay = mesh.layout
         tp, pp, dp = lay.tp, lay.pp, lay.dp
         coords = (mesh.tp_rank, mesh.pp_rank, mesh.dp_rank)
-    from tpedu.pipeline import partition
+    from tpedu.pipeline import stage_layers
 
     # stages: the layers of each virtual stage; virtual stage c·pp + s is on pp rank s (chunks
     # > 1 only with the interleaved schedule)
-    virtual = partition(config.n_layers, pp * len(chunks))
+    virtual = stage_layers(config, pp * len(chunks))
     layout = {"tp": tp, "pp": pp, "dp": dp, "zero1": zero1,
               **({"chunks": len(chunks)} if len(chunks) > 1 else {}),  # absent: 1
               "stages": [[r.start, r.stop] for r in virtual]}  # fmt: skip
@@ -630,12 +630,12 @@ def write_sharded(root: str | Path, config: GPTConfig, tensors: dict[str, torch.
     """Write dense `tensors` (parameters and `exp_avg/<name>`-style optimizer entries, as
     read_dense returns them) as a checkpoint at layout (tp, pp, dp) under `root`, atomically,
     from this one process. Each (tp rank, pp stage) gets one file, written as dp rank 0."""
-    from tpedu.pipeline import partition
+    from tpedu.pipeline import stage_layers
 
     config.check(tp)
-    partition(config.n_layers, pp)  # raises if pp does not fit the layers
+    stages = stage_layers(config, pp)  # raises if pp does not fit the layers
     layout = {"tp": tp, "pp": pp, "dp": dp, "zero1": zero1,
-              "stages": [[r.start, r.stop] for r in partition(config.n_layers, pp)]}  # fmt: skip
+              "stages": [[r.start, r.stop] for r in stages]}  # fmt: skip
     tmp = _prepare(Path(root), step)
     for p in range(pp):
         for t in range(tp):

@@ -82,6 +82,7 @@ class GPTConfig:
     recompute: str = "none"  # TPGPT: "selective" (attention core) or "full" (whole block)
     fused_attention: bool = True  # flash attention (SDPA) whenever no dropout mask is drawn
     overlap_comm: bool = False  # TPGPT: f's backward all-reduce overlapped with dL/dW (lesson 14)
+    stage_split: str = "even"  # pipeline: "even" blocks per stage, or "flops" (head counted)
     extra: dict = field(default_factory=dict)
 
     @property
@@ -97,6 +98,7 @@ class GPTConfig:
         for name, choices in (
             ("norm", ("layernorm", "rmsnorm")),
             ("position", ("learned", "rope")),
+            ("stage_split", ("even", "flops")),
         ):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")

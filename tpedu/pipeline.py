@@ -4,6 +4,9 @@
     stage p-1: blocks[..:n] + final norm + head + loss
     gradients w.r.t. the activations travel back the same way (◀──grad──)
 
+`partition` / `stage_layers` choose a, b, ...: equal block counts, or (GPTConfig.stage_split =
+"flops") fewer blocks on the last stage, whose head `head_cost` prices in blocks.
+
 A schedule is, per stage, the list of actions it runs in order: ("F", mb) / ("B", mb), or with
 virtual stages ("F", mb, chunk). Three schedules:
 
@@ -30,6 +33,7 @@ import time
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -37,17 +41,25 @@ from torch import nn
 
 from tpedu import collectives
 
+if TYPE_CHECKING:
+    from tpedu.model import GPTConfig
+
 Action = tuple  # ("F" | "B", micro-batch) or ("F" | "B", micro-batch, chunk)
 
 
 # ------------------------------------------------------------------------------ partitioning
 
 
-def partition(n_layers: int, stages: int) -> list[range]:
-    """Contiguous layer ranges, one per stage, sizes differing by at most one.
+def partition(n_layers: int, stages: int, head_cost: float = 0.0) -> list[range]:
+    """Contiguous layer ranges, one per stage, each at least one layer.
 
-    The first stage also holds the embedding and the last the head and loss, so the extra layers
-    of an uneven split go to the middle stages first: 7 layers on 3 stages -> [0:2] [2:5] [5:7].
+    The first stage also holds the embedding and the last the head and loss. With head_cost = 0
+    the sizes differ by at most one, and the extra layers of an uneven split go to the middle
+    stages first: 7 layers on 3 stages -> [0:2] [2:5] [5:7].
+
+    head_cost > 0 says what the head and loss cost, in blocks. Then the split minimises the
+    busiest stage (its blocks, plus head_cost on the last one): 4 layers on 2 stages with a head
+    worth 2.5 blocks -> [0:3] [3:4] (3 and 3.5 blocks of work) instead of [0:2] [2:4] (2 and 4.5).
     """
     if stages < 1:
         raise ValueError(f"the number of stages must be at least 1, got {stages}")
@@ -56,12 +68,39 @@ def partition(n_layers: int, stages: int) -> list[range]:
             f"{n_layers} layers cannot be split over {stages} stages (each needs at least one "
             f"layer); use at most pp·chunks = {n_layers} stages or more layers"
         )
-    sizes = [n_layers // stages] * stages
-    order = list(range(1, stages - 1)) + [0, stages - 1][: min(2, stages)]
-    for i in order[: n_layers % stages]:
-        sizes[i] += 1
+    middle_first = list(range(1, stages - 1)) + [0, stages - 1][: min(2, stages)]
+    sizes = _spread(n_layers, stages, middle_first)
+    if head_cost > 0 and stages > 1:
+        options = []  # (busiest stage, sizes) for each block count of the last stage
+        for last in range(n_layers - stages + 1, 0, -1):
+            rest = _spread(n_layers - last, stages - 1, middle_first[: stages - 1])
+            options.append((max(*rest, last + head_cost), rest + [last]))
+        sizes = min(options, key=lambda o: o[0])[1]  # ties: the last stage's most blocks
     starts = [sum(sizes[:i]) for i in range(stages)]
     return [range(a, a + n) for a, n in zip(starts, sizes, strict=True)]
+
+
+def _spread(n_layers: int, stages: int, order: list[int]) -> list[int]:
+    """n_layers over stages as evenly as possible; the remainder goes to stages in `order`."""
+    sizes = [n_layers // stages] * stages
+    for i in order[: n_layers % stages]:
+        sizes[i] += 1
+    return sizes
+
+
+def head_cost(config: GPTConfig) -> float:
+    """The head's forward FLOPs per token in blocks: 2·h·V over a block's 2·h·(q, k, v, out and
+    MLP widths) + 2·s·h (causal attention's q·kᵀ and p·v, half the positions each)."""
+    c = config
+    width = c.hidden + 2 * c.kv_heads * (c.hidden // c.n_heads) + c.hidden  # qkv, out
+    width += (3 if c.activation == "swiglu" else 2) * c.ffn  # fc1 (gated: 2 of them), fc2
+    return 2 * c.hidden * c.vocab_size / (2 * c.hidden * width + 2 * c.seq_len * c.hidden)
+
+
+def stage_layers(config: GPTConfig, stages: int) -> list[range]:
+    """The layers of each stage, as `config.stage_split` says: "even" or "flops" (`head_cost`)."""
+    cost = head_cost(config) if config.stage_split == "flops" else 0.0
+    return partition(config.n_layers, stages, cost)
 
 
 # ---------------------------------------------------------------------------------- schedules
@@ -392,7 +431,7 @@ def build_stage_chunks(dense: nn.Module, tp_group: dist.ProcessGroup | None, sta
     """This rank's TPGPT chunks: chunk c holds the layers of virtual stage c·stages + stage."""
     from tpedu.model import TPGPT
 
-    parts = partition(dense.config.n_layers, stages * chunks)
+    parts = stage_layers(dense.config, stages * chunks)
     return [TPGPT(dense, tp_group, layers=parts[c * stages + stage]) for c in range(chunks)]
 
 

@@ -38,8 +38,8 @@ from tpedu.pipeline import (
     Pipe,
     StepResult,
     build_stage_chunks,
-    partition,
     run_schedule,
+    stage_layers,
     sync_tied_grads,
 )
 from tpedu.pipeline import schedule as pipeline_schedule
@@ -397,7 +397,8 @@ def train_3d(config: GPTConfig, cfg: TrainConfig, train_ids: torch.Tensor, val_i
                 bar.write(f"step {step + 1:>5}: train loss {loss:.4f}  val loss {val:.4f}")
     summary = _summary(config, cfg, losses, history, time.perf_counter() - start, stage,
                        tp=tp, pp=pp, dp=dp, micro_batches=m, zero1=zero, schedule=kind,
-                       chunks=len(chunks))  # fmt: skip
+                       chunks=len(chunks),
+                       stages=[[r.start, r.stop] for r in stage_layers(config, pp * len(chunks))])  # fmt: skip
     if out is not None:
         state = gather_pipeline_state(chunks, mesh)
         save_model(SimpleNamespace(config=config, gather_state_dict=lambda: state), cfg, out, tok)
@@ -421,7 +422,7 @@ def gather_pipeline_state(chunks: Sequence[TPGPT], mesh: Mesh) -> dict[str, torc
     config, pp = chunks[0].config, mesh.layout.pp
     with torch.device("meta"):
         shapes = DenseGPT(config).state_dict()
-    parts = partition(config.n_layers, pp * len(chunks))  # virtual stage c·pp + s is on rank s
+    parts = stage_layers(config, pp * len(chunks))  # virtual stage c·pp + s is on rank s
 
     def stage_of(name: str) -> int:
         if name.startswith("blocks."):
