@@ -6,20 +6,28 @@ compute      model FLOPs per GPU / (peak · efficiency). FLOPs per token (forwar
              6·N + 12·L·s·h, N = 12·L·h² + V·h (attention/MLP weights + embedding; norms and
              biases ignored), the 12·L·s·h being q·kᵀ and probs·v (not in 6N: they have no
              weights). With full recomputation the forward runs twice: 8·N + 16·L·s·h executed.
-TP           4 all-reduces of b·s·h elements per layer per micro-batch (2 forward, 2 backward),
-             on NVLink while tp <= GPUs per node, else on the inter-node links (the ring runs at
-             its slowest link); sequence parallelism moves the same bytes.
+TP           4 all-reduces of b·s·h elements per layer per micro-batch (2 forward, 2 backward);
+             sequence parallelism moves the same bytes. Priced by `Hardware.all_reduce`: a ring
+             on NVLink while the group fits in a node; across nodes, two levels (see below).
 PP           bubble (pp-1)/(v·m) of the pipeline's busy time (1F1B, v interleaved chunks,
              m micro-batches); 2 sends of b·s·h per micro-batch and stage boundary.
 DP           1 all-reduce of the GPU's gradients (N/(tp·pp) elements) per step, overlapped with
-             backward by the fraction `dp_overlap`.
+             backward by the fraction `dp_overlap`; its ranks are tp·pp GPUs apart.
+
+An all-reduce across nodes, with g of the group's ranks in each node: reduce-scatter inside the
+node (NVLink), all-reduce of each rank's 1/g shard across the nodes (every GPU on its own NIC),
+all-gather inside the node. The network carries nbytes/g per GPU, not nbytes: the node's g NICs
+work at once. NCCL's rings and trees reach about this by running one channel per NIC. A single
+ring over all ranks at one NIC's bandwidth would be ~g× too slow: it predicted a 32× drop of
+tokens/s/GPU from tp 2 to tp 32 where the Ultra-Scale Playbook measured 6.5×.
 
 Assumptions (stated, not hidden): one number for matmul efficiency (`efficiency`, the fraction
 of peak that the GEMMs reach; small GEMMs at large tp reach less, which this ignores), bf16
 activations and gradients (2 bytes), TP communication never overlapped, α-β ring collectives
 (tpedu.cost_model) with the link bandwidth per GPU in ONE direction (NVLink 4: 900 GB/s is
 both directions together, 450 GB/s each way), bandwidth a NCCL ring actually reaches
-(`bus_efficiency`, ~0.8 of the link), one 400 Gb/s NIC per GPU.
+(`bus_efficiency`, ~0.8 of the link), one 400 Gb/s NIC per GPU, the two levels of a cross-node
+all-reduce not overlapped (NCCL pipelines them, so this errs on the slow side).
 """
 
 from __future__ import annotations
@@ -42,11 +50,38 @@ class Hardware:
     inter_alpha: float = 10e-6
     bus_efficiency: float = 0.8  # fraction of the link a ring all-reduce reaches
 
+    @property
+    def intra(self) -> AlphaBeta:
+        """α-β of a ring inside a node (NVLink / NVSwitch, or PCIe)."""
+        return AlphaBeta(self.intra_alpha, 1 / (self.intra_bw * self.bus_efficiency))
+
+    @property
+    def inter(self) -> AlphaBeta:
+        """α-β of a ring across nodes, one GPU per node on its own NIC."""
+        return AlphaBeta(self.inter_alpha, 1 / (self.inter_bw * self.bus_efficiency))
+
     def link(self, group_span: int) -> AlphaBeta:
         """α-β of a ring over `group_span` consecutive GPUs (inside one node or across)."""
-        if group_span <= self.gpus_per_node:
-            return AlphaBeta(self.intra_alpha, 1 / (self.intra_bw * self.bus_efficiency))
-        return AlphaBeta(self.inter_alpha, 1 / (self.inter_bw * self.bus_efficiency))
+        return self.intra if group_span <= self.gpus_per_node else self.inter
+
+    def all_reduce(self, nbytes: float, ranks: int, stride: int = 1) -> float:
+        """Seconds to all-reduce `nbytes` over `ranks` GPUs, `stride` GPUs apart.
+
+        Inside one node: a ring on NVLink. Across nodes, with g = ranks per node: reduce-scatter
+        over the g (NVLink), all-reduce of nbytes/g across the nodes (each GPU's own NIC),
+        all-gather over the g. With g = 1 (stride >= GPUs per node), one ring on the network.
+        """
+        if ranks == 1:
+            return 0.0
+        per_node = max(1, min(ranks, self.gpus_per_node // stride))
+        nodes = -(-ranks // per_node)
+        if nodes == 1:
+            return self.intra.predict("all_reduce", nbytes, ranks)
+        t = self.inter.predict("all_reduce", nbytes / per_node, nodes)
+        if per_node > 1:
+            t += self.intra.predict("reduce_scatter", nbytes, per_node)
+            t += self.intra.predict("all_gather", nbytes, per_node)
+        return t
 
 
 GB = 1e9
@@ -174,7 +209,7 @@ def predict(
     act = par.micro * model.seq * model.hidden * bytes_per_value  # one [b, s, h] message
     layers_here = model.layers // par.pp
     passes = 6 if par.recompute else 4  # recomputation repeats the forward's 2 all-reduces
-    tp = m * passes * layers_here * hw.link(par.tp).predict("all_reduce", act, par.tp)
+    tp = m * passes * layers_here * hw.all_reduce(act, par.tp)
 
     busy = compute + tp
     bubble = (par.pp - 1) / (par.chunks * m) * busy
@@ -182,9 +217,7 @@ def predict(
     pp = 0.0 if par.pp == 1 else 2 * m * par.chunks * pp_link.predict("send", act, 2)
 
     grads = model.params / (par.tp * par.pp) * bytes_per_value
-    # A DP group's ranks are tp·pp apart: it leaves the node once tp·pp·dp > GPUs per node.
-    dp_link = hw.link(par.gpus if par.dp > 1 else 1)
-    dp = (1 - par.dp_overlap) * dp_link.predict("all_reduce", grads, par.dp)
+    dp = (1 - par.dp_overlap) * hw.all_reduce(grads, par.dp, stride=par.tp * par.pp)
     return Prediction(compute, tp, bubble, pp, dp, model_flops, tokens, par.gpus, hw.peak_flops)
 
 
