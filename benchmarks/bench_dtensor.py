@@ -9,7 +9,8 @@ tpedu / DTensor so machine noise hits both; medians of the slowest rank. Also pr
 tpedu's ranks spend inside collectives (waiting included) and a single process using 2 threads
 (the most a 2-core machine offers without any communication). Both models run the same
 attention core: flash attention (F.scaled_dot_product_attention) by default, the explicit
-softmax(q·kᵀ/√d)·v with --explicit. --overlap runs tpedu with GPTConfig(overlap_comm=True).
+softmax(q·kᵀ/√d)·v with --explicit. --overlap runs tpedu with GPTConfig(overlap_comm=True);
+--sp runs both with sequence parallelism (tpedu's sequence_parallel, DTensor's SequenceParallel).
 
 "no-comm" is tpedu's step with every collective skipped (wrong numbers, right compute; on a
 separate copy of the model): the time no overlap or faster network could beat, so no-comm /
@@ -146,15 +147,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--reps", type=int, default=7)
-    ap.add_argument("--sp", action="store_true", help="DTensor with SequenceParallel norms")
+    ap.add_argument("--sp", action="store_true", help="sequence parallelism in both models")
     ap.add_argument("--explicit", action="store_true", help="explicit attention in both models")
     ap.add_argument("--overlap", action="store_true", help="tpedu with overlap_comm=True")
     args = ap.parse_args()
-    c = dataclasses.replace(CONFIG, fused_attention=not args.explicit, overlap_comm=args.overlap)
+    c = dataclasses.replace(CONFIG, fused_attention=not args.explicit, overlap_comm=args.overlap,
+                            sequence_parallel=args.sp)  # fmt: skip
     print(f"model: {c.n_layers} layers, d {c.hidden}, {c.n_heads} heads, vocab {c.vocab_size}, "
           f"seq {c.seq_len}, batch {BATCH}, fp32, AdamW; torch {torch.__version__}, gloo")  # fmt: skip
     print(f"DTensor plan: Colwise/Rowwise, vocab-parallel embedding + head, loss_parallel"
-          f"{', SequenceParallel norms' if args.sp else ''}; "
+          f"{', SequenceParallel norms (tpedu: sequence_parallel)' if args.sp else ''}; "
           f"attention: {'explicit' if args.explicit else 'fused (SDPA)'} in both"
           f"{'; tpedu overlap_comm' if args.overlap else ''}")  # fmt: skip
     print(load())
