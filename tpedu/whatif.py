@@ -10,7 +10,9 @@ TP           4 all-reduces of b·s·h elements per layer per micro-batch (2 forw
              sequence parallelism moves the same bytes. Priced by `Hardware.all_reduce`: a ring
              on NVLink while the group fits in a node; across nodes, two levels (see below).
 PP           bubble (pp-1)/(v·m) of the pipeline's busy time (1F1B, v interleaved chunks,
-             m micro-batches); 2 sends of b·s·h per micro-batch and stage boundary.
+             m micro-batches); 2 sends of b·s·h per micro-batch and stage boundary. Stages are
+             taken as equal: the last stage's head is not counted apart (`pipeline.head_cost`
+             prices it in blocks; `GPTConfig.stage_split="flops"` balances it, lesson 10).
 DP           1 all-reduce of the GPU's gradients (N/(tp·pp) elements) per step, overlapped with
              backward by the fraction `dp_overlap`; its ranks are tp·pp GPUs apart.
 
