@@ -115,7 +115,7 @@ def _parser() -> argparse.ArgumentParser:
     tr.add_argument("--chunks", type=int, default=1,
                     help="model chunks per pipeline rank (--schedule interleaved)")  # fmt: skip
     tr.add_argument("--stage-split", choices=["even", "flops"], default="even",
-                    help="blocks per pipeline stage: even, or by FLOPs with the head counted (lesson 14)")  # fmt: skip
+                    help="blocks per pipeline stage: even, or by FLOPs counting the head (lesson 10)")  # fmt: skip
     tr.add_argument("--ckpt-dir", default=None, help="write sharded checkpoints here (lesson 13)")
     tr.add_argument("--save-every", type=int, default=0,
                     help="checkpoint every N steps (and at the end) into --ckpt-dir")  # fmt: skip

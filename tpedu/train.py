@@ -395,10 +395,10 @@ def train_3d(config: GPTConfig, cfg: TrainConfig, train_ids: torch.Tensor, val_i
             )
             if rank == 0 and cfg.progress:
                 bar.write(f"step {step + 1:>5}: train loss {loss:.4f}  val loss {val:.4f}")
+    stages = [[r.start, r.stop] for r in stage_layers(config, pp * len(chunks))]
     summary = _summary(config, cfg, losses, history, time.perf_counter() - start, stage,
                        tp=tp, pp=pp, dp=dp, micro_batches=m, zero1=zero, schedule=kind,
-                       chunks=len(chunks),
-                       stages=[[r.start, r.stop] for r in stage_layers(config, pp * len(chunks))])  # fmt: skip
+                       chunks=len(chunks), stages=stages)  # fmt: skip
     if out is not None:
         state = gather_pipeline_state(chunks, mesh)
         save_model(SimpleNamespace(config=config, gather_state_dict=lambda: state), cfg, out, tok)
