@@ -9,10 +9,11 @@ compute      model FLOPs per GPU / (peak · efficiency). FLOPs per token (forwar
 TP           4 all-reduces of b·s·h elements per layer per micro-batch (2 forward, 2 backward);
              sequence parallelism moves the same bytes. Priced by `Hardware.all_reduce`: a ring
              on NVLink while the group fits in a node; across nodes, two levels (see below).
-PP           bubble (pp-1)/(v·m) of the pipeline's busy time (1F1B, v interleaved chunks,
-             m micro-batches); 2 sends of b·s·h per micro-batch and stage boundary. Stages are
-             taken as equal: the last stage's head is not counted apart (`pipeline.head_cost`
-             prices it in blocks; `GPTConfig.stage_split="flops"` balances it, lesson 10).
+PP           1F1B with v interleaved chunks and m micro-batches runs (v·m + pp - 1) slots of
+             the slowest stage's time per micro-batch: bubble = that - the average busy time,
+             i.e. (pp-1)/(v·m) of it for equal stages. Layers split evenly (Megatron's default),
+             so the last stage, which also runs the head (6·V·h FLOPs per token, `head_blocks`
+             blocks' worth), is the slowest. 2 sends of b·s·h per micro-batch and boundary.
 DP           1 all-reduce of the GPU's gradients (N/(tp·pp) elements) per step, overlapped with
              backward by the fraction `dp_overlap`; its ranks are tp·pp GPUs apart.
 
@@ -114,6 +115,17 @@ class ModelShape:
         f = 4 * self.hidden if self.ffn is None else self.ffn
         return self.layers * (4 * self.hidden**2 + 2 * self.hidden * f) + self.vocab * self.hidden
 
+    def head_blocks(self, recompute: bool = False) -> float:
+        """The LM head's training FLOPs per token in blocks: 6·V·h over a block's
+        6·(4h² + 2·h·ffn) + 12·s·h (× 8/6 with recomputation, which repeats the blocks' forward
+        but not the head's). `pipeline.head_cost` is the same ratio for a real GPTConfig, with
+        its exact q/k/v and MLP widths."""
+        f = 4 * self.hidden if self.ffn is None else self.ffn
+        block = 6 * (4 * self.hidden**2 + 2 * self.hidden * f) + 12 * self.seq * self.hidden
+        if recompute:
+            block *= 8 / 6
+        return 6 * self.vocab * self.hidden / block
+
     def flops_per_token(self, recompute: bool = False) -> float:
         """Training FLOPs per token: 6·N + 12·L·s·h. With full recomputation every block's
         forward runs twice (+2·(N - V·h) + 4·L·s·h; the LM head is not recomputed), which is
@@ -213,8 +225,12 @@ def predict(
     passes = 6 if par.recompute else 4  # recomputation repeats the forward's 2 all-reduces
     tp = m * passes * layers_here * hw.all_reduce(act, par.tp)
 
-    busy = compute + tp
-    bubble = (par.pp - 1) / (par.chunks * m) * busy
+    busy = compute + tp  # per GPU, on average
+    # The last stage's share of compute: its layers plus the head, against the average stage's.
+    head = model.head_blocks(par.recompute)
+    last = (model.layers + par.pp * head) / (model.layers + head)
+    slots = par.chunks * m + par.pp - 1
+    bubble = slots / (par.chunks * m) * (compute * last + tp) - busy
     pp_link = hw.link(par.tp * par.pp)
     pp = 0.0 if par.pp == 1 else 2 * m * par.chunks * pp_link.predict("send", act, 2)
 
