@@ -148,16 +148,6 @@ def dense_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
         return {k: tuple(v.shape) for k, v in DenseGPT(config).state_dict().items()}
 
 
-def stage_of(name: str, config: GPTConfig, pp: int) -> int:
-    """The pipeline stage that holds the dense tensor `name` (embeddings first, head last)."""
-    from tpedu.pipeline import stage_layers
-
-    if name.startswith("blocks."):
-        i = int(name.split(".")[1])
-        return next(s for s, r in enumerate(stage_layers(config, pp)) if i in r)
-    return 0 if name.split(".")[0] in ("tok_emb", "pos_emb") else pp - 1
-
-
 # ---------------------------------------------------------------- what a live rank holds
 
 
@@ -630,7 +620,7 @@ def write_sharded(root: str | Path, config: GPTConfig, tensors: dict[str, torch.
     """Write dense `tensors` (parameters and `exp_avg/<name>`-style optimizer entries, as
     read_dense returns them) as a checkpoint at layout (tp, pp, dp) under `root`, atomically,
     from this one process. Each (tp rank, pp stage) gets one file, written as dp rank 0."""
-    from tpedu.pipeline import stage_layers
+    from tpedu.pipeline import stage_layers, stage_of
 
     config.check(tp)
     stages = stage_layers(config, pp)  # raises if pp does not fit the layers

@@ -103,6 +103,15 @@ def stage_layers(config: GPTConfig, stages: int) -> list[range]:
     return partition(config.n_layers, stages, cost)
 
 
+def stage_of(name: str, config: GPTConfig, pp: int, chunks: int = 1) -> int:
+    """The pipeline rank that holds the dense tensor `name`: embeddings on the first, the final
+    norm and head on the last, block i on the rank of its virtual stage (c·pp + s is on rank s)."""
+    if name.startswith("blocks."):
+        i = int(name.split(".")[1])
+        return next(vs for vs, r in enumerate(stage_layers(config, pp * chunks)) if i in r) % pp
+    return 0 if name.split(".")[0] in ("tok_emb", "pos_emb") else pp - 1
+
+
 # ---------------------------------------------------------------------------------- schedules
 
 

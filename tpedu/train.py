@@ -40,6 +40,7 @@ from tpedu.pipeline import (
     build_stage_chunks,
     run_schedule,
     stage_layers,
+    stage_of,
     sync_tied_grads,
 )
 from tpedu.pipeline import schedule as pipeline_schedule
@@ -422,17 +423,9 @@ def gather_pipeline_state(chunks: Sequence[TPGPT], mesh: Mesh) -> dict[str, torc
     config, pp = chunks[0].config, mesh.layout.pp
     with torch.device("meta"):
         shapes = DenseGPT(config).state_dict()
-    parts = stage_layers(config, pp * len(chunks))  # virtual stage c·pp + s is on rank s
-
-    def stage_of(name: str) -> int:
-        if name.startswith("blocks."):
-            i = int(name.split(".")[1])
-            return next(vs for vs, r in enumerate(parts) if i in r) % pp
-        return 0 if name.split(".")[0] in ("tok_emb", "pos_emb") else mesh.layout.pp - 1
-
-    for s in range(1, mesh.layout.pp):
+    for s in range(1, pp):
         src = mesh.members["pp"][s]
-        for name in sorted(n for n in shapes if stage_of(n) == s):
+        for name in sorted(n for n in shapes if stage_of(n, config, pp, len(chunks)) == s):
             buf = torch.empty(shapes[name].shape, dtype=state["tok_emb.weight"].dtype,
                               device=device())  # fmt: skip
             state[name] = collectives.recv(buf, src, mesh.pp_group)
