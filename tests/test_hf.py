@@ -55,3 +55,18 @@ def test_non_gpt2_configs_cannot_be_exported():
 
     with pytest.raises(ValueError, match="GPT-2 needs norm='layernorm'"):
         hf.state_to_hf({}, GPTConfig.llama_like(100))
+
+
+@pytest.mark.parametrize("vocab", [4334, 50257])
+def test_exported_config_token_ids_are_in_the_vocabulary(vocab):
+    """A small vocabulary has no GPT-2 <|endoftext|> (50256): the ids are None, not out of range;
+    GPT-2's own vocabulary keeps them."""
+    from tpedu.model import GPTConfig
+
+    config = GPTConfig.gpt2_like(vocab, seq_len=8, n_layers=1, hidden=16, n_heads=2)
+    cfg = hf.hf_config(config)
+    for name in ("bos_token_id", "eos_token_id"):
+        value = getattr(cfg, name)
+        assert value is None or 0 <= value < vocab, f"{name} = {value}, vocabulary {vocab}"
+    if vocab == 50257:
+        assert cfg.bos_token_id == cfg.eos_token_id == 50256

@@ -34,9 +34,10 @@ RNG state, and a resumed run redraws exactly the same masks and batches.
 
 Saves are atomic: every rank writes into `.tmp-step_N/` and fsyncs; rank 0 writes the index
 (with each file's size and SHA-256), renames the directory to `step_N`, and only then replaces
-`latest`. A crash at any point leaves the previous checkpoint loadable. Loads validate before
-touching the model (config, files, sizes, checksums, shapes) and all ranks agree before any
-rank copies a tensor: nothing is half-loaded.
+`latest`. Saving a step that exists again moves the old `step_N` aside before renaming and
+deletes it last (`replace_dir`). A crash at any point leaves the previous checkpoint loadable.
+Loads validate before touching the model (config, files, sizes, checksums, shapes) and all ranks
+agree before any rank copies a tensor: nothing is half-loaded.
 
 Resharding = merge each tensor's shards into the dense tensor, split it for the new layout.
 `reshard()` does it offline in one process; `load()` does it on the fly for a live model at
@@ -49,6 +50,7 @@ import hashlib
 import json
 import os
 import shutil
+import uuid
 from collections.abc import Sequence
 from dataclasses import asdict, fields, is_dataclass
 from pathlib import Path
@@ -68,6 +70,7 @@ from tpedu.reshard import merge_column, merge_qkv, merge_row
 from tpedu.sharding import check_divisible
 
 FORMAT = "tpedu-sharded-1"
+DENSE_FORMAT = "tpedu-dense-1"  # a dense model directory: `train --out`, export_dense
 INDEX = "index.json"
 LATEST = "latest"
 KINDS = ("replicated", "column", "row", "qkv", "vocab")
@@ -225,6 +228,30 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def replace_dir(tmp: Path, final: Path) -> None:
+    """Rename the complete directory `tmp` to `final`, replacing the directory there, if any.
+
+    The old directory is never deleted before the new one is in place: it is renamed aside to
+    `.old-<name>-<random>`, `tmp` is renamed to `final` (renamed back if that fails), and only
+    then is the old one deleted. A process killed between the two renames leaves `final` absent
+    and the old directory complete under its `.old-` name (`resolve` looks there). Both paths
+    must be on one file system.
+    """
+    tmp, final = Path(tmp), Path(final)
+    old = final.parent / f".old-{final.name}-{uuid.uuid4().hex[:8]}" if final.exists() else None
+    if old is not None:
+        os.rename(final, old)
+    try:
+        os.rename(tmp, final)
+    except BaseException:
+        if old is not None:
+            os.rename(old, final)
+        raise
+    _fsync_dir(final.parent)
+    if old is not None:
+        shutil.rmtree(old)
+
+
 def step_name(step: int) -> str:
     return f"step_{step:08d}"
 
@@ -284,10 +311,7 @@ def _finalize(root: Path, tmp: Path, step: int, header: dict, tok: object | None
     _write_bytes(tmp / INDEX, json.dumps(index, indent=1).encode())
     _fsync_dir(tmp)
     final = root / step_name(step)
-    if final.exists():  # saving the same step again: replace it
-        shutil.rmtree(final)
-    os.rename(tmp, final)  # atomic on one file system: step_N is complete or absent
-    _fsync_dir(root)
+    replace_dir(tmp, final)  # renames, atomic on one file system: never a half-written step_N
     _write_bytes(root / ".latest.tmp", f"{final.name}\n".encode())
     os.replace(root / ".latest.tmp", root / LATEST)  # atomic too: latest moves last
     _fsync_dir(root)
@@ -432,6 +456,10 @@ def resolve(path: str | Path) -> Path:
     if (path / LATEST).exists():
         name = (path / LATEST).read_text().strip()
         if not (path / name / INDEX).exists():
+            # killed inside replace_dir while re-saving this step: the old one is complete aside
+            aside = [p.parent for p in path.glob(f".old-{name}-*/{INDEX}")]
+            if aside:
+                return max(aside, key=lambda p: (p / INDEX).stat().st_mtime)
             raise CheckpointError(f"{path / LATEST} names {name!r}, which has no {INDEX}")
         return path / name
     if not path.exists():
@@ -672,36 +700,84 @@ def export_dense(src: str | Path, out: str | Path) -> Path:
     config, tensors, index = read_dense(src)
     state = {k: v.contiguous() for k, v in tensors.items() if "/" not in k}
     out = Path(out)
+    tmp = _export_tmp(out)
+    save_file(state, tmp / "model.safetensors")
+    meta = {"model": config.to_dict(), "train": index.get("train"), "format": DENSE_FORMAT}
+    (tmp / "config.json").write_text(json.dumps(meta, indent=2))
+    tok = _tokenizer(resolve(src))
+    if tok is not None:
+        tok.save(tmp / "tokenizer.json")
+    replace_dir(tmp, out)
+    return out
+
+
+def _export_tmp(out: Path) -> Path:
+    """An empty `.tmp-<name>` sibling of `out` to write an export into, then `replace_dir` it.
+    An export replaces `out` as a whole: refuse unless it is absent or a model directory."""
+    if out.exists() and not (out / "config.json").exists():
+        raise CheckpointError(f"{out} exists and is not a model directory (no config.json); "
+                              "the export would replace it: choose a new output path")  # fmt: skip
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".tmp-{out.name}"
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    save_file(state, tmp / "model.safetensors")
-    meta = {"model": config.to_dict(), "train": index.get("train"), "format": "tpedu-dense-1"}
-    (tmp / "config.json").write_text(json.dumps(meta, indent=2))
-    tok = _tokenizer(resolve(src))
-    if tok is not None:
-        tok.save(tmp / "tokenizer.json")
-    if out.exists():
-        shutil.rmtree(out)
-    os.rename(tmp, out)
-    return out
+    return tmp
+
+
+def read_model_dir(model_dir: str | Path) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
+    """(config, dense state dict) of a dense model directory (`train --out`, export_dense),
+    checked before use: config.json's format and config, and model.safetensors holding exactly
+    DenseGPT's keys at DenseGPT's shapes."""
+    from safetensors.torch import load_file
+
+    model_dir = Path(model_dir)
+    what = f"is {model_dir} a dense model directory (`tpedu train --out`, `reshard --to dense`)?"
+    for name in ("config.json", "model.safetensors"):
+        if not (model_dir / name).exists():
+            raise CheckpointError(f"{model_dir / name} is missing: {what}")
+    where = model_dir / "config.json"
+    try:
+        meta = json.loads(where.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{where} is not valid JSON ({e}); the file is corrupted") from None
+    meta = meta if isinstance(meta, dict) else {}
+    if meta.get("format") != DENSE_FORMAT:
+        hint = (" It is a Hugging Face config (e.g. from `reshard --to hf`): load it with "
+                "transformers, or convert it with tpedu.hf.config_from_hf and state_from_hf."
+                if "model_type" in meta else "")  # fmt: skip
+        raise CheckpointError(f"{where}: field 'format' is {meta.get('format')!r}, expected "
+                              f"{DENSE_FORMAT!r}: {what}{hint}")  # fmt: skip
+    if not isinstance(meta.get("model"), dict):
+        raise CheckpointError(f"{where} has no field 'model' (the GPTConfig); the file is damaged")
+    try:
+        config = GPTConfig(**meta["model"])
+        config.check()
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{where}: field 'model' is not a valid GPTConfig ({e})") from None
+    file = model_dir / "model.safetensors"
+    try:
+        state = load_file(file)
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own error type
+        raise CheckpointError(f"{file} cannot be read ({e}); the file is damaged") from None
+    shapes = dense_shapes(config)
+    wrong = [f"{k} {list(state[k].shape)} (config.json gives {list(shapes[k])})"
+             for k in sorted(set(state) & set(shapes)) if tuple(state[k].shape) != shapes[k]]  # fmt: skip
+    problems = [f"{len(keys)} {label}: {', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''}"
+                for label, keys in (("missing", sorted(set(shapes) - set(state))),
+                                    ("unexpected", sorted(set(state) - set(shapes))),
+                                    ("with the wrong shape", wrong)) if keys]  # fmt: skip
+    if problems:
+        raise CheckpointError(f"{file} does not hold the tensors of the model in config.json: "
+                              f"{'; '.join(problems)}")  # fmt: skip
+    return config, state
 
 
 def import_dense(model_dir: str | Path, dst: str | Path, tp: int = 1, pp: int = 1,
                  dp: int = 1) -> Path:  # fmt: skip
     """A dense model directory (`train --out`, export_dense) -> a sharded checkpoint at step 0
     without optimizer state (so `train --resume` starts a fresh optimizer from these weights)."""
-    from safetensors.torch import load_file
-
-    model_dir = Path(model_dir)
-    for name in ("config.json", "model.safetensors"):
-        if not (model_dir / name).exists():
-            raise CheckpointError(f"{model_dir / name} is missing: is {model_dir} a dense model "
-                                  "directory (`tpedu train --out`)?")  # fmt: skip
-    config = GPTConfig(**json.loads((model_dir / "config.json").read_text())["model"])
-    state = load_file(model_dir / "model.safetensors")
+    config, state = read_model_dir(model_dir)
     return write_sharded(dst, config, state, 0, tp, pp, dp, tok=_tokenizer(model_dir))
 
 
@@ -716,9 +792,10 @@ def export_hf(src: str | Path, out: str | Path) -> Path:
     state = state_to_hf({k: v for k, v in tensors.items() if "/" not in k}, config)
     state.pop("lm_head.weight")  # tied to wte: transformers re-ties it on load
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    hf_config(config).save_pretrained(out)
-    save_file(state, out / "model.safetensors", metadata={"format": "pt"})
+    tmp = _export_tmp(out)
+    hf_config(config).save_pretrained(tmp)
+    save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
+    replace_dir(tmp, out)  # a failed export leaves the previous `out` as it was
     return out
 
 

@@ -101,6 +101,9 @@ def hf_config(config: GPTConfig) -> object:
     from transformers import GPT2Config  # optional dependency, imported only here
 
     check_gpt2_shaped(config)
+    # GPT-2's <|endoftext|> (50256) exists only in its own vocabulary; a smaller one has no such
+    # token, and transformers warns about an id outside the vocabulary on every load.
+    eos = 50256 if config.vocab_size >= 50257 else None
     return GPT2Config(
         vocab_size=config.vocab_size,
         n_positions=config.seq_len,
@@ -113,4 +116,6 @@ def hf_config(config: GPTConfig) -> object:
         resid_pdrop=0.0,
         embd_pdrop=0.0,
         attn_pdrop=0.0,
+        bos_token_id=eos,
+        eos_token_id=eos,
     )

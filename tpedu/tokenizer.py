@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import uuid
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -119,7 +121,13 @@ def build(text: str, kind: str = "char", vocab_size: int = 8192,
     tok = CharTokenizer.train(text) if kind == "char" else BPETokenizer.train(text, vocab_size)
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tok.save(tmp)
-        tmp.replace(path)  # atomic: a reader never sees half a file
+        # A temporary name of its own (ranks under torchrun may all build the cache at once),
+        # in the same directory, then an atomic rename: a reader never sees half a file.
+        tmp = path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp")
+        try:
+            tok.save(tmp)
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
     return tok

@@ -5,7 +5,8 @@
 compute      model FLOPs per GPU / (peak · efficiency). FLOPs per token (forward + backward):
              6·N + 12·L·s·h, N = 12·L·h² + V·h (attention/MLP weights + embedding; norms and
              biases ignored), the 12·L·s·h being q·kᵀ and probs·v (not in 6N: they have no
-             weights). With full recomputation the forward runs twice: 8·N + 16·L·s·h executed.
+             weights). With full recomputation every block's forward runs twice (the LM head's
+             does not): 8·N - 2·V·h + 16·L·s·h executed.
 TP           4 all-reduces of b·s·h elements per layer per micro-batch (2 forward, 2 backward);
              sequence parallelism moves the same bytes. Priced by `Hardware.all_reduce`: a ring
              on NVLink while the group fits in a node; across nodes, two levels (see below).

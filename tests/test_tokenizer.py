@@ -1,0 +1,38 @@
+"""The tokenizer cache: concurrent builders (ranks under torchrun) each write a temporary file of
+their own, so neither loses its rename; a failed write leaves no temporary file behind."""
+
+import os
+
+import pytest
+
+from tpedu import tokenizer
+
+TEXT = "满纸荒唐言，一把辛酸泪。都云作者痴，谁解其中味？\n"
+
+
+def test_two_builders_at_once_both_succeed(tmp_path, monkeypatch):
+    real = os.replace
+    calls = []
+
+    def replace_after_another_builder(src, dst):
+        calls.append(str(src))
+        if len(calls) == 1:  # the first builder is about to rename: a second one runs meanwhile
+            tokenizer.build(TEXT, "char", cache_dir=tmp_path)
+        real(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace_after_another_builder)
+    tok = tokenizer.build(TEXT, "char", cache_dir=tmp_path)
+    assert len(calls) == 2 and calls[0] != calls[1], calls  # one temporary name per builder
+    (cached,) = tmp_path.iterdir()  # the cache file only: no temporary file left behind
+    assert cached.suffix == ".json"
+    assert tokenizer.load(cached).encode(TEXT) == tok.encode(TEXT)
+
+
+def test_a_failed_write_leaves_no_temporary_file(tmp_path, monkeypatch):
+    def full_disk(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        tokenizer.build(TEXT, "char", cache_dir=tmp_path)
+    assert list(tmp_path.iterdir()) == []
