@@ -39,6 +39,13 @@ def test_fit_recovers_alpha_and_beta():
 def test_fit_needs_two_samples():
     with pytest.raises(ValueError, match="at least two samples"):
         cm.fit([cm.Sample("all_reduce", 10, 2, 1.0)])
+    # One message size on one group size: every row's bytes are proportional to its steps, so
+    # any α trades against β; the fit must refuse rather than return an arbitrary pair.
+    one_size = [
+        cm.Sample(op, 4096, 2, 1e-3) for op in ("all_reduce", "all_gather", "reduce_scatter")
+    ]
+    with pytest.raises(ValueError, match="two or more message sizes"):
+        cm.fit(one_size)
 
 
 def measure_small():

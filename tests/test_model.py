@@ -106,6 +106,33 @@ def test_bad_configs_are_clear_errors():
         CONFIGS["gpt2"].check(3)
     with pytest.raises(ValueError, match="hidden = 30 is not divisible by n_heads = 4"):
         GPTConfig(50, hidden=30, n_heads=4).check(1)
+    with pytest.raises(ValueError, match="n_heads = 0 must be a positive multiple"):
+        GPTConfig(50, n_heads=0).check(1)  # not a ZeroDivisionError
+    for p in (-0.1, 1.0, 1.5):
+        with pytest.raises(ValueError, match=rf"dropout = {p} must be in \[0, 1\)"):
+            GPTConfig(50, dropout=p).check(1)
+
+
+def counts_after_moving():
+    """build_model builds on the CPU, then moves the model to its GPU: the replica counts of the
+    QKV rows stay on the CPU and must follow the gradients. The meta device plays the GPU
+    (mixing it with CPU tensors raises, as CUDA does). Unlike .to("cuda"), .to("meta") makes new
+    Parameter objects, so the counts are re-keyed to them as CUDA's same objects would be."""
+    model = TPGPT(DenseGPT(CONFIGS["llama"]))
+    before = list(model.parameters())
+    model.to("meta")
+    model._copies = {
+        id(new): model._copies[id(old)]
+        for old, new in zip(before, model.parameters(), strict=True)
+        if id(old) in model._copies
+    }
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    return model.squared_grad_sum().device.type
+
+
+def test_gradient_norm_counts_follow_the_model_to_its_device():
+    assert launch(counts_after_moving, 1) == ["meta"]
 
 
 def train_losses(config, steps):

@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 from pathlib import Path
 from typing import NoReturn
 
@@ -149,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "reshard":  # one process, no ranks
         return _reshard(args)
     _check_ranks(args)
+    _check_args(args)
     try:
         if args.command == "hello":
             run(hello, args.nprocs, backend=args.backend, timeout=args.timeout)
@@ -173,6 +175,17 @@ def _check_ranks(args: argparse.Namespace) -> None:
         if getattr(args, name, 1) < 1:
             _fail(f"--{name} must be at least 1, got {getattr(args, name)}")
     others = getattr(args, "pp", 1) * getattr(args, "dp", 1)
+    if args.backend == "nccl":  # one GPU per rank on this machine
+        os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # count without a CUDA context
+        gpus = torch.cuda.device_count()
+        here = (
+            int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+            if under_torchrun()
+            else args.nprocs * others
+        )
+        if here > gpus:
+            _fail(f"--backend nccl needs one GPU per rank: {here} ranks on this machine, {gpus} "
+                  f"GPUs visible; use at most {gpus} ranks here, or --backend gloo")  # fmt: skip
     if under_torchrun():
         world = int(os.environ["WORLD_SIZE"])
         if flag == "--tp" and others > 1 and args.nprocs * others != world:
@@ -191,12 +204,54 @@ def _check_ranks(args: argparse.Namespace) -> None:
               "machine; use fewer ranks or a bigger machine")  # fmt: skip
 
 
+def _check_args(args: argparse.Namespace) -> None:
+    """One-line errors for values the ranks would only trip over later (after _check_ranks)."""
+    if args.command == "commbench":
+        if args.nprocs < 2:
+            _fail(f"--nprocs {args.nprocs}: commbench needs at least 2 ranks (one rank "
+                  "communicates nothing, so α and β cannot be fitted)")  # fmt: skip
+        if args.repeats < 1:
+            _fail(f"--repeats {args.repeats}: must be at least 1 (timed runs per size)")
+        if min(args.sizes) < 1:
+            _fail(f"--sizes {min(args.sizes)}: sizes are bytes, each must be at least 1")
+        if len(set(args.sizes)) < 2:
+            _fail(f"--sizes needs at least 2 different sizes to fit α and β, got "
+                  f"{sorted(set(args.sizes))}; e.g. --sizes 4096 1048576")  # fmt: skip
+    elif args.command == "train":
+        for name in ("layers", "hidden", "seq", "batch", "steps"):
+            if getattr(args, name) < 1:
+                _fail(f"--{name} must be at least 1, got {getattr(args, name)}")
+        if args.save_every and not args.ckpt_dir:
+            _fail("--save-every needs --ckpt-dir (where to write the checkpoints)")
+        for flag, value in (("--out", args.out), ("--ckpt-dir", args.ckpt_dir)):
+            if value is not None:
+                _check_dir(flag, value)
+    elif args.command == "generate":
+        if args.top_k < 1:
+            _fail(f"--top-k {args.top_k}: must be at least 1 (a value at least the vocabulary "
+                  "size samples from the whole vocabulary)")  # fmt: skip
+        if not args.temperature >= 0:
+            _fail(f"--temperature {args.temperature}: must be at least 0 (0 always picks the "
+                  "most likely token, 1 samples the model's distribution)")  # fmt: skip
+
+
+def _check_dir(flag: str, value: str) -> None:
+    """`value` must be a directory, or a path that does not exist yet (under no file)."""
+    for path in (Path(value), *Path(value).parents):
+        if path.exists():
+            if not path.is_dir():
+                _fail(f"{flag} {value}: {path} is a file, not a directory; give a directory "
+                      "(a missing one is created)")  # fmt: skip
+            return
+
+
 def _train(args: argparse.Namespace) -> int:
     from tpedu.model import GPTConfig
     from tpedu.train import TrainConfig, novel_data, train, train_3d
 
+    saved = _read_resume(args)  # with --resume, the checkpoint's model config
     if args.pp * args.dp > 1 or args.micro_batches or args.zero1 or args.chunks > 1:
-        _check_layout(args)
+        _check_layout(args, saved.n_layers if saved else args.layers)
     try:
         tok, train_ids, val_ids = novel_data(args.tokenizer, args.bpe_vocab)
     except FileNotFoundError as e:
@@ -209,7 +264,8 @@ def _train(args: argparse.Namespace) -> int:
                     sequence_parallel=args.sequence_parallel, overlap_comm=args.overlap_comm,
                     stage_split=args.stage_split,
                     **kv)  # fmt: skip
-    config = _resume_config(args, config, tok.vocab_size)
+    if saved is not None:
+        config = _resume_config(args, saved, config, tok.vocab_size)
     try:
         config.check(args.nprocs)
     except ValueError as e:
@@ -236,8 +292,9 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_layout(args: argparse.Namespace) -> None:
-    """The 3D layout's one-line errors, before any rank starts."""
+def _check_layout(args: argparse.Namespace, n_layers: int) -> None:
+    """The 3D layout's one-line errors, before any rank starts (n_layers: the model's, which
+    with --resume is the checkpoint's, not --layers)."""
     from tpedu.pipeline import partition, schedule
     from tpedu.train import default_micro_batches
 
@@ -251,9 +308,10 @@ def _check_layout(args: argparse.Namespace) -> None:
         _fail(f"--micro-batches {args.micro_batches} does not divide the per-replica batch "
               f"{per_replica} (= batch / dp); choose a divisor of {per_replica}")  # fmt: skip
     try:
-        partition(args.layers, args.pp * args.chunks)
+        partition(n_layers, args.pp * args.chunks)
     except ValueError as e:
-        _fail(f"--pp {args.pp}{f' --chunks {args.chunks}' if args.chunks > 1 else ''}: {e}")
+        whose = f" (the model in --resume {args.resume})" if args.resume else ""
+        _fail(f"--pp {args.pp}{f' --chunks {args.chunks}' if args.chunks > 1 else ''}{whose}: {e}")
     try:
         m = args.micro_batches or default_micro_batches(per_replica, args.pp)
         schedule(args.schedule, m, args.pp, 0, args.chunks)
@@ -261,27 +319,28 @@ def _check_layout(args: argparse.Namespace) -> None:
         _fail(f"--schedule {args.schedule} --chunks {args.chunks}: {e}")
 
 
-def _resume_config(args: argparse.Namespace, config: object, vocab_size: int) -> object:
-    """With --resume, the checkpoint's model config (its layout-only fields from the flags)."""
+def _read_resume(args: argparse.Namespace) -> object | None:
+    """The model config of the --resume checkpoint (None without --resume)."""
+    from tpedu import checkpoint
+
+    if not args.resume:
+        return None
+    try:
+        return checkpoint.read_config(args.resume)
+    except (ValueError, FileNotFoundError) as e:  # CheckpointError is a ValueError
+        _fail(str(e))
+
+
+def _resume_config(args: argparse.Namespace, saved: object, config: object,
+                   vocab_size: int) -> object:  # fmt: skip
+    """The checkpoint's model config `saved`, with its layout-only fields from the flags."""
     from dataclasses import replace
 
     from tpedu import checkpoint
 
-    if args.save_every and not args.ckpt_dir:
-        _fail("--save-every needs --ckpt-dir (where to write the checkpoints)")
-    if not args.resume:
-        return config
-    try:
-        saved = checkpoint.read_config(args.resume)
-    except checkpoint.CheckpointError as e:
-        _fail(str(e))
     if saved.vocab_size != vocab_size:
         _fail(f"{args.resume} has vocab_size {saved.vocab_size}, the --tokenizer "
               f"{args.tokenizer} gives {vocab_size}; pass the tokenizer it was trained with")  # fmt: skip
-    pp = getattr(args, "pp", 1)
-    if pp > saved.n_layers:
-        _fail(f"--pp {pp}: the checkpoint's model has {saved.n_layers} layers; use at most "
-              f"--pp {saved.n_layers}")  # fmt: skip
     return replace(saved, **{k: getattr(config, k) for k in checkpoint.LAYOUT_ONLY})
 
 
@@ -289,8 +348,15 @@ def _reshard(args: argparse.Namespace) -> int:
     from tpedu import checkpoint
 
     src = Path(args.src)
+    dense_dir = (src / "model.safetensors").exists()  # `train --out`: import (or export) it
     try:
-        if (src / "model.safetensors").exists():  # a dense model directory: import it
+        if dense_dir and args.to == "dense":
+            _fail(f"{src} is already a dense model dir (`train --out`); use --to sharded to "
+                  "import it as a checkpoint, or --to hf to export it for transformers")  # fmt: skip
+        elif dense_dir and args.to == "hf":
+            with tempfile.TemporaryDirectory() as tmp:  # export_hf reads a checkpoint: make one
+                path = checkpoint.export_hf(checkpoint.import_dense(src, tmp), args.out)
+        elif dense_dir:
             path = checkpoint.import_dense(src, args.out, args.tp, args.pp, args.dp)
         elif args.to == "dense":
             path = checkpoint.export_dense(src, args.out)
@@ -305,12 +371,13 @@ def _reshard(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from tpedu.train import generate, load_model_files
+    from tpedu.train import generate, generation_config, load_model_files
 
     if not args.prompt.strip():
         _fail("--prompt is empty; give some text to continue, e.g. --prompt '宝玉'")
     try:
         config, state, tok = load_model_files(args.model)
+        config = generation_config(config)  # a model trained with --sequence-parallel too
         config.check(args.nprocs)
     except (FileNotFoundError, ValueError) as e:
         _fail(str(e))

@@ -102,13 +102,16 @@ class GPTConfig:
         ):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
+        check_heads(self.n_heads, self.kv_heads, tp)  # first: the checks below divide by n_heads
         if self.hidden % self.n_heads:
             raise ValueError(f"hidden = {self.hidden} is not divisible by n_heads = {self.n_heads}")
         if self.position == "rope" and (self.hidden // self.n_heads) % 2:
             raise ValueError("RoPE needs an even head dimension")
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"recompute must be one of {RECOMPUTE}, got {self.recompute!r}")
-        check_heads(self.n_heads, self.kv_heads, tp)
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout = {self.dropout} must be in [0, 1): the probability of "
+                             "zeroing an activation (1 would zero them all)")  # fmt: skip
         check_divisible(self.ffn, tp, "ffn_hidden")
         if self.sequence_parallel:  # the batch's own s is checked again at run time
             check_sequence_length(self.seq_len, tp)
@@ -399,15 +402,27 @@ class TPGPT(nn.Module):
         replica count), so after the all-reduce every element is counted exactly once. Clipping
         with a norm that counts replicated parameters t times (or shards only once) is a bug.
         """
+        return collectives.all_reduce(self.squared_grad_sum(), self.group).sqrt()
+
+    def squared_grad_sum(self, skip: nn.Parameter | None = None) -> torch.Tensor:
+        """This rank's share of the squared gradient norm (float64 scalar, no communication):
+        each element's square divided by its number of copies; `skip` is left out."""
         sq = torch.zeros((), dtype=torch.float64, device=next(self.parameters()).device)
         for p in self.parameters():
-            if p.grad is not None:
+            if p.grad is not None and p is not skip:
                 copies = self._copies.get(id(p), self.tp)
+                if isinstance(copies, torch.Tensor) and copies.device != p.grad.device:
+                    # e.g. built on the CPU, then moved: build_model's .to(device())
+                    copies = self._copies[id(p)] = copies.to(p.grad.device)
                 sq += (p.grad.double().square() / copies).sum()
-        return collectives.all_reduce(sq, self.group).sqrt()
+        return sq
 
     def _count_copies(self) -> dict[int, float | torch.Tensor]:
-        """{id(param): ranks holding a copy} for the parameters that are not fully replicated."""
+        """{id(param): ranks holding a copy} for the parameters that are not fully replicated.
+
+        The counts are on the device the model is built on (usually the CPU); a later .to()
+        does not move this dict, so squared_grad_sum moves a count to its gradient's device.
+        """
         copies: dict[int, float | torch.Tensor] = {}
         for m in self.modules():
             if isinstance(m, (ColumnParallelLinear, VocabParallelEmbedding)):
@@ -424,9 +439,10 @@ class TPGPT(nn.Module):
         return copies
 
     def sync_grads(self, sequence_parallel_grads: bool = True) -> None:
-        """Gradient fix-ups TP needs after backward: replicated KV heads (tp > n_kv_heads) and,
-        with sequence parallelism, the parameters that saw only a sequence shard (norms,
-        row-parallel biases, learned positions): 1 all-reduce over the TP group.
+        """Gradient fix-ups TP needs after backward, over the TP group: replicated KV heads
+        (tp > n_kv_heads; 1 all-reduce per block) and, with sequence parallelism, the parameters
+        that saw only a sequence shard (norms, row-parallel biases, learned positions; 1
+        all-reduce for all of them).
 
         sequence_parallel_grads=False skips the latter: the real bug lesson 08 demonstrates
         (Megatron-LM #1446, gpt-neox #1257). Never pass it otherwise.

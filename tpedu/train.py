@@ -14,18 +14,17 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import tempfile
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 import torch._dynamo  # noqa: F401 - the optimizers import it (≈3-5 s): once here, not per forked rank
 import torch.distributed as dist
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from tqdm import tqdm
 
 from tpedu import collectives, corpus, tokenizer
@@ -75,7 +74,9 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * min(frac, 1.0)))
 
 
-def novel_data(kind: str = "char", bpe_vocab: int = 4096, val_chapters: int = 8):
+def novel_data(
+    kind: str = "char", bpe_vocab: int = 4096, val_chapters: int = 8
+) -> tuple[tokenizer.CharTokenizer | tokenizer.BPETokenizer, torch.Tensor, torch.Tensor]:
     """(tokenizer, train ids, val ids) for 红楼梦; the tokenizer is trained once and cached."""
     train_text, val_text = corpus.train_val_split(corpus.load_novel(), val_chapters)
     tok = tokenizer.build(train_text, kind, bpe_vocab, CACHE_DIR / "tokenizers")
@@ -197,6 +198,8 @@ def _summary(config: GPTConfig, cfg: TrainConfig, losses: list[float], history: 
 
 def save_model(model: TPGPT, cfg: TrainConfig, out: str | Path, tok: object | None) -> None:
     """Gather the dense weights (collective) and write them atomically from rank 0."""
+    from tpedu.checkpoint import DENSE_FORMAT, replace_dir
+
     state = model.gather_state_dict()
     if dist.get_rank() != 0:
         return
@@ -204,26 +207,26 @@ def save_model(model: TPGPT, cfg: TrainConfig, out: str | Path, tok: object | No
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     save_file({k: v.contiguous().cpu() for k, v in state.items()}, tmp / "model.safetensors")
-    meta = {"model": model.config.to_dict(), "train": asdict(cfg), "format": "tpedu-dense-1"}
+    meta = {"model": model.config.to_dict(), "train": asdict(cfg), "format": DENSE_FORMAT}
     (tmp / "config.json").write_text(json.dumps(meta, indent=2))
     if tok is not None:
         tok.save(tmp / "tokenizer.json")
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
+    replace_dir(tmp, out)  # the previous model stays complete until the new one is in place
 
 
 def load_model_files(path: str | Path) -> tuple[GPTConfig, dict[str, torch.Tensor], object]:
-    """(config, dense state dict, tokenizer) from a directory written by `save_model`."""
+    """(config, dense state dict, tokenizer) from a directory written by `save_model`, checked
+    (format, config, tensor names and shapes) by `checkpoint.read_model_dir`."""
+    from tpedu.checkpoint import read_model_dir
+
     path = Path(path)
     for name in ("config.json", "model.safetensors", "tokenizer.json"):
         if not (path / name).exists():
             raise FileNotFoundError(
                 f"{path / name} is missing: is {path} a model saved by `tpedu train --out`?"
             )
-    meta = json.loads((path / "config.json").read_text())
-    config = GPTConfig(**meta["model"])
-    return config, load_file(path / "model.safetensors"), tokenizer.load(path / "tokenizer.json")
+    config, state = read_model_dir(path)
+    return config, state, tokenizer.load(path / "tokenizer.json")
 
 
 @torch.no_grad()
@@ -232,8 +235,11 @@ def generate(config: GPTConfig, state: dict[str, torch.Tensor], prompt_ids: list
     """Continue `prompt_ids` on every rank of the TP group; every rank returns the same ids.
 
     Sampling never looks at one shard's logits alone (that picks the wrong token): it uses the
-    vocab-parallel sampler, with the same generator seed on every rank.
+    vocab-parallel sampler, with the same generator seed on every rank. The config's
+    training-only layout (sequence parallelism, recompute, overlap) is turned off first: the
+    growing sequence is not always divisible by tp, and the tensors are the same either way.
     """
+    config = generation_config(config)
     model = TPGPT.from_state_dict(config, state).to(device())
     model.eval()
     gen = torch.Generator(device=device()).manual_seed(seed)
@@ -246,6 +252,12 @@ def generate(config: GPTConfig, state: dict[str, torch.Tensor], prompt_ids: list
             nxt = sample(logits, gen, temperature, top_k)
         ids = torch.cat([ids, nxt.view(1, 1)], dim=1)
     return ids[0].tolist()
+
+
+def generation_config(config: GPTConfig) -> GPTConfig:
+    """`config` for inference: sequence parallelism, recompute and overlap off. These fields
+    (checkpoint.LAYOUT_ONLY) never change the tensors, only how training runs."""
+    return replace(config, sequence_parallel=False, recompute="none", overlap_comm=False)
 
 
 # ------------------------------------------------------------------- 3D: tp × pp × dp (lesson 12)
@@ -270,10 +282,7 @@ def grad_norm_3d(chunks: Sequence[TPGPT], mesh: Mesh) -> torch.Tensor:
     sq = torch.zeros((), dtype=torch.float64, device=next(chunks[0].parameters()).device)
     for chunk in chunks:
         tied = chunk.config.tie_embeddings and chunk.lm_head is not None
-        tied_copy = chunk.lm_head.weight if tied else None
-        for p in chunk.parameters():
-            if p.grad is not None and p is not tied_copy:
-                sq += (p.grad.double().square() / chunk._copies.get(id(p), chunk.tp)).sum()
+        sq += chunk.squared_grad_sum(skip=chunk.lm_head.weight if tied else None)
     collectives.all_reduce(sq, mesh.tp_group)
     return collectives.all_reduce(sq, mesh.pp_group).sqrt()
 
