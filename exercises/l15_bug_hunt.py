@@ -74,7 +74,9 @@ def tp_groups(world: int, tp: int, pp: int = 1) -> list[list[int]]:
     Example: tp_groups(8, 2, 2) == [[0, 1], [2, 3], [4, 5], [6, 7]].
 
     Broken twin (bug `seed_tp_groups`): groups ranks with the same tp_rank (the second seed).
-    Symptom: correct at dp = 1, wrong loss once two data-parallel replicas exist.
+    Symptom: at dp = pp = 1 every such group is a single rank, so each rank silently runs the
+    unsharded model (right loss, no TP, no memory saved); once two data-parallel replicas exist,
+    ranks with different batches are summed: wrong loss from step 0.
     """
     raise NotImplementedError("hint: consecutive blocks of tp ranks")
 

@@ -113,7 +113,7 @@ def _no_kv_sync(self: object) -> None:
 
 def _seed_tp_groups(self: mesh.Layout) -> list[list[int]]:
     groups: list[list[int]] = []
-    for r in range(self.world):  # BUG (second seed): ranks with the same tp_rank = a DP group
+    for r in range(self.world):  # BUG (second seed): ranks with the same tp_rank, not a TP group
         g = mesh.seed_tp_group(self.world, self.tp, r)
         if g not in groups:
             groups.append(g)
@@ -225,13 +225,15 @@ BUGS: dict[str, Bug] = {
             check_tp_step, 2,
             "forward and loss identical; the gradient of every layer in front of an f differs "
             "from tp=1 (with a vocab-parallel head: all of them); loss curves drift apart slowly",
-            "seed §2.2 (f's backward all-reduce); Megatron-LM copy_to_tensor_model_parallel_region"),
+            "seed §2.2 (f's backward all-reduce) and §5.3 (列并行层反向忘了AllReduce输入梯度); "
+            "Megatron-LM copy_to_tensor_model_parallel_region"),
         Bug("wrong_group", "f̄ all-reduces over every rank instead of the TP group",
             lambda: _patched(tp_ops.ReduceFromTPRegion, "forward", staticmethod(_reduce_forward_world)),
             check_two_groups, 4,
             "fine with one TP group; with tp 2 × dp 2 the activations of different data replicas "
             "are summed: loss wrong from step 0, or a hang if the groups' schedules differ",
-            "a common 3D-parallel mistake (default group instead of the TP group)"),
+            "seed §5.3 (AllReduce用错了group, TP and global group mixed up); a common 3D-parallel "
+            "mistake (default group instead of the TP group)"),
         Bug("sp_norm_grads_unsynced", "sequence parallel: LayerNorm/bias gradients not all-reduced",
             lambda: _patched(model, "allreduce_sequence_parallel_grads", _sync_nothing),
             check_sp_step, 2,
@@ -243,7 +245,8 @@ BUGS: dict[str, Bug] = {
             check_tp_step, 2,
             "loss too high by log(1 + n_pad·e^(-m)/S) whenever vocab % tp != 0 (fine when it "
             "divides); probability mass on ids that do not exist",
-            "seed §2.4 / §5.5 (padded vocabulary); Megatron-LM make_vocab_size_divisible_by"),
+            "not in the seeds (a course addition from practice): Megatron-LM pads the vocabulary "
+            "(make_vocab_size_divisible_by) and masks the padding"),
         Bug("argmax_one_shard", "greedy decoding: argmax over this rank's vocabulary shard",
             lambda: _patched(vocab_parallel, "vocab_parallel_argmax", _argmax_one_shard),
             check_argmax, 2,
@@ -255,13 +258,13 @@ BUGS: dict[str, Bug] = {
             check_tp_step, 2,
             "runs without error (the shapes fit); loss at tp>1 differs from tp=1 at step 0 and "
             "trains to a worse model",
-            "Megatron-LM / HF checkpoint conversion issues (fused QKV layout)"),
+            "not in the seeds: Megatron-LM / HF checkpoint conversion issues (fused QKV layout)"),
         Bug("kv_wrong_replica", "tp > KV heads: rank r takes KV head r mod nkv, not r // (tp/nkv)",
             lambda: _patched(attention, "local_heads", _local_heads_modulo),
             check_gqa_step, 4,
             "GQA model at tp > n_kv_heads: queries attend with another group's keys; loss "
             "differs from tp=1 at step 0",
-            "PyTorch/picotron TP assert nkv % tp == 0 instead; Megatron replicates"),
+            "Megatron-LM/picotron assert nkv % tp == 0 instead; vLLM/SGLang replicate"),
         Bug("kv_replica_grads_unsynced", "replicated KV heads' gradients never summed",
             lambda: _patched(attention.ParallelAttention, "allreduce_replicated_kv_grads",
                              _no_kv_sync),
@@ -269,12 +272,14 @@ BUGS: dict[str, Bug] = {
             "loss identical at step 0; KV weight gradients are partial; the replicas of a KV "
             "head drift apart from step 1",
             "Megatron-LM GQA with tp > num_query_groups"),
-        Bug("seed_tp_groups", "TP groups built as in the second seed (same tp_rank = a DP group)",
+        Bug("seed_tp_groups", "TP groups built as in the second seed (same tp_rank: never a TP group)",
             lambda: _patched(mesh.Layout, "tp_groups", _seed_tp_groups),
             check_mesh_groups, 4,
-            "fine at dp=1; with dp>1 a 'TP group' holds ranks with different batches: loss "
-            "wrong from step 0 (or a hang when group sizes differ)",
-            "second seed, its new_group loop"),
+            "at dp = pp = 1 each 'TP group' is one rank: tpedu silently runs the unsharded model "
+            "on every rank (right loss, no memory saved; the seed's layers, sized by a fixed "
+            "tp_size, sum nothing and are wrong from step 0); with dp > 1 a 'TP group' holds "
+            "ranks with different batches: loss wrong from step 0",
+            "second seed §4.1, its new_group loop"),
         Bug("pipeline_warmup_reversed", "1F1B warm-up counted from the wrong end (s, not p-1-s)",
             lambda: _patched(pipeline, "one_f_one_b", _one_f_one_b_reversed),
             check_pipeline, 2,
@@ -286,7 +291,8 @@ BUGS: dict[str, Bug] = {
             check_dropout_step, 2,
             "fine with dropout 0 or in eval; in training the replicated residual stream differs "
             "across ranks, loss differs from tp=1, replicated weights drift apart",
-            "Megatron-LM's CUDA RNG tracker (model-parallel vs data-parallel seeds)"),
+            "not in the seeds: Megatron-LM's CUDA RNG tracker (model-parallel vs data-parallel "
+            "seeds)"),
     ]
 }  # fmt: skip
 

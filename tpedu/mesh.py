@@ -105,7 +105,8 @@ def rank_groups(tp: int, pp: int, dp: int) -> dict[str, list[list[int]]]:
 
 
 def seed_tp_group(world: int, tp: int, rank: int) -> list[int]:
-    """The second seed's 'TP group' for `rank`: ranks with the same tp_rank. That is a DP group."""
+    """The second seed's 'TP group' for `rank`: ranks with the same tp_rank (a DP group at
+    pp = 1; with pp > 1 it also spans stages). Never a TP group."""
     tp_rank = rank % tp
     return [r for r in range(world) if r % tp == tp_rank]
 

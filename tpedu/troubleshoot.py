@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from tpedu import collectives
+from tpedu.launcher import device
 
 # float64: a correct TP model differs from dense only by reordered sums (~1e-16 relative per
 # operation, ~1e-15 after a few layers); a bug changes results at the 1e-3..1 level.
@@ -97,8 +98,9 @@ def compare_with_dense(
     model = TPGPT(dense, group).to(dtype)
     dense.train(training)
     model.train(training)
-    dev = next(model.parameters()).device
+    dev = device()  # built on the CPU (same init on every rank), run on this rank's device
     dense.to(dev)
+    model.to(dev)
     ids, targets = ids.to(dev), targets.to(dev)
     loss_d = dense(ids, targets, step=step)
     loss_d.backward()
@@ -133,18 +135,6 @@ def replica_divergence(
     return out
 
 
-def replicated_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Gradients of the parameters every TP rank holds in full (norms, row-parallel biases)."""
-    from tpedu.model import TPGPT
-
-    keep = {}
-    copies = model._copies if isinstance(model, TPGPT) else {}
-    for name, p in model.named_parameters():
-        if p.grad is not None and id(p) not in copies:
-            keep[name] = p.grad
-    return keep
-
-
 def debug_env(backend: str = "nccl") -> dict[str, str]:
     """Environment variables that make a distributed run explain itself (set before launching).
 
@@ -172,6 +162,16 @@ replicated weights drift apart over steps   per-rank dropout masks / RNG, unsync
 generated text differs per rank             argmax/sampling over one vocab shard          compare the ranks' tokens
 run hangs at the first collective           ranks disagree on groups or on the order of   TORCH_DISTRIBUTED_DEBUG=DETAIL,
                                             collectives / sends                           NCCL_DEBUG=INFO, a timeout
+TP collectives slow, or NCCL timeouts       TP group crosses a slow link (PCIe switch,    nvidia-smi topo -m: each TP group in one
+                                            CPU socket, another node); NCCL P2P broken    NVLink domain; NCCL_DEBUG=INFO: transport;
+                                            (driver/firmware); network jitter across      faster with NCCL_P2P_DISABLE=1 -> P2P is
+                                            nodes                                         broken; fix: TP inside one node, a longer
+                                                                                          timeout, check NIC drivers / switches
+memory per GPU does not drop with tp        replicated embedding/LM head, the full dense  torch.cuda.max_memory_allocated() per
+                                            model kept alive on every rank, activations   rank at tp 1, 2, 4 vs the ledger (lessons
+                                            of replicated regions (no SP)                 00, 06, 08, 09); fix: vocab parallel, free
+                                                                                          the dense copy, SP, recompute, smaller
+                                                                                          micro-batch
 NaN/inf in backward                         overflow (fp16/bf16), log(0), -inf - -inf     torch.autograd.detect_anomaly()
 tiny loss gap (1e-7 fp32, 1e-3 bf16)        reduction order: NOT a bug                    reduction_order_gap
 """
@@ -194,15 +194,18 @@ def reduction_order_gap(
 
     torch.manual_seed(0)
     dense = DenseGPT(config)
+    dev = device()
+    ids, targets = ids.to(dev), targets.to(dev)
     with torch.no_grad():
         exact = DenseGPT(config).double()
         exact.load_state_dict(dense.state_dict())
-        ref = exact(ids, targets).item()
+        ref = exact.to(dev)(ids, targets).item()
         out = {}
         for dt in dtypes:
             d = DenseGPT(config).to(dt)
             d.load_state_dict(dense.state_dict())
-            t = TPGPT(d, group)
+            t = TPGPT(d, group).to(dev)
+            d.to(dev)
             ld, lt = d(ids, targets).double().item(), t(ids, targets).double().item()
             out[str(dt).removeprefix("torch.")] = (
                 abs(ld - ref) / abs(ref),
