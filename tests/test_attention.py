@@ -92,17 +92,20 @@ def test_parallel_equals_dense(nq, nkv, tp, bias):
 
 
 def _fused_worker(nq, nkv, causal):
-    """No dropout drawn: both models take the fused (flash) path; compare them and the explicit one."""
+    """No dropout drawn: both models take the fused (flash) path; compare them and the explicit
+    ones. Returns the diffs, each model's largest saved tensor (numel) and the scores' sizes."""
     dense = _dense(nq, nkv, p=0.0).to(tpedu.device())
     dense.causal = causal
     par = ParallelAttention.from_dense(dense)
     explicit = _dense(nq, nkv, p=0.0).to(tpedu.device())
     explicit.load_state_dict(dense.state_dict())
     explicit.causal, explicit.fused = causal, False
+    par_explicit = ParallelAttention.from_dense(explicit)  # the control: a rank's scores saved
     x = torch.randn(2, 7, 10, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     x = x.to(tpedu.device())
     out, saved = {}, {}
-    for name, model in (("dense", dense), ("par", par), ("explicit", explicit)):
+    models = {"dense": dense, "par": par, "explicit": explicit, "par explicit": par_explicit}
+    for name, model in models.items():
         xi = x.clone().requires_grad_()
         sizes: list[int] = []
         pack = lambda t, log=sizes: log.append(t.numel()) or t  # noqa: E731
@@ -115,8 +118,10 @@ def _fused_worker(nq, nkv, causal):
         "tp dx": _max(out["par"][1], out["dense"][1]),
         "fused vs explicit fwd": _max(out["dense"][0], out["explicit"][0]),
         "fused vs explicit dx": _max(out["dense"][1], out["explicit"][1]),
+        "tp explicit fwd": _max(out["par explicit"][0], out["explicit"][0]),
     }
-    return diffs, saved, 2 * nq * 7 * 7  # b·a·s²: the scores tensor's size
+    tp = torch.distributed.get_world_size()
+    return diffs, saved, 2 * nq * 7 * 7, 2 * (nq // tp) * 7 * 7  # b·a·s², a rank's b·(a/t)·s²
 
 
 @pytest.mark.parametrize("nq,nkv,tp,causal", [(6, 6, 1, True), (6, 6, 2, True),
@@ -124,12 +129,17 @@ def _fused_worker(nq, nkv, causal):
 def test_fused_attention_equals_explicit_and_stores_no_scores(nq, nkv, tp, causal):
     """Without dropout both models run F.scaled_dot_product_attention: TP == dense, fused ==
     explicit (flash attention's online softmax sums in another order: ~1e-16 relative), and
-    nothing of the scores' size b·a·s² is saved for backward (the explicit path saves it)."""
-    for r, (diffs, saved, scores) in enumerate(tpedu.launch(_fused_worker, tp, nq, nkv, causal)):
+    nothing of the scores' size is saved for backward: under b·a·s² for the dense model, under
+    a rank's own b·(a/t)·s² for the TP one (both explicit paths save at least that much)."""
+    for r, (diffs, saved, scores, local) in enumerate(
+        tpedu.launch(_fused_worker, tp, nq, nkv, causal)
+    ):
         for key, d in diffs.items():
             assert d < TOL, f"rank {r}: max |{key}| = {d:.3e}"
         assert saved["explicit"] >= scores, f"explicit path saved at most {saved['explicit']}"
-        assert max(saved["dense"], saved["par"]) < scores, f"fused path saved {saved}"
+        assert saved["par explicit"] >= local, f"rank {r}: explicit TP path saved {saved}"
+        assert saved["dense"] < scores, f"fused path saved {saved['dense']} >= b·a·s² = {scores}"
+        assert saved["par"] < local, f"rank {r}: fused TP path saved {saved['par']} >= {local}"
 
 
 def _naive_chunk_worker():

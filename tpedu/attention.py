@@ -20,9 +20,10 @@ into t row blocks (what ColumnParallelLinear would do) gives rank 0 all of q and
 
 GQA (nkv < nq: query head j uses KV head j // (nq/nkv)). If tp <= nkv, KV heads are split like
 q heads (needs nkv % tp == 0). If tp > nkv there are not enough KV heads to go round: each rank
-keeps a *replica* of the one KV head its q heads use (needs tp % nkv == 0), as Megatron does
-(PyTorch's and picotron's TP just assert nkv % tp == 0). Replicas receive partial gradients on
-each rank; `allreduce_replicated_kv_grads()` must run after backward (before the optimizer step).
+keeps a *replica* of the one KV head its q heads use (needs tp % nkv == 0), as inference
+engines (vLLM, SGLang) do; Megatron-LM and picotron assert nkv % tp == 0 instead. In training,
+replicas receive partial gradients on each rank; `allreduce_replicated_kv_grads()` must run
+after backward (before the optimizer step).
 
 Sequence parallelism (lesson 08, `sequence_parallel=True`): x arrives as this rank's sequence
 shard [b, s/t, H]; the f becomes an all-gather fused with the QKV matmul (all_gather_linear)

@@ -124,13 +124,15 @@ def activation_bytes_per_layer(
     (16-bit activations, 1-byte dropout masks) gives per layer:
 
         no parallelism           sbh(34 + 5as/h)            = TP at t=1
-        tensor parallel          sbh(10 + 24/t + 5as/(ht))  (LayerNorm, dropout inputs replicated)
+        tensor parallel          sbh(10 + 24/t + 5as/(ht))  (the 10 stays replicated, see below)
         tensor + sequence par.   sbh/t · (34 + 5as/h)       (everything sharded)
         selective recompute      drops the 5as/h term (softmax, its dropout, attention scores)
         full recompute           2sbh (only the layer input), 2sbh/t with sequence parallelism
 
     The 34 is 11 (attention, without the a·s² parts) + 19 (MLP) + 4 (two LayerNorms); the
     5as/h is the [b, a, s, s] softmax output (2 bytes), its dropout mask (1) and dropout output (2).
+    Under TP the replicated 10 is: the two LayerNorm inputs (2 + 2), the QKV and fc1 inputs
+    (2 + 2) and the two 1-byte dropout masks after attention and MLP (1 + 1).
     """
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
