@@ -15,6 +15,10 @@ softmax(q·kᵀ/√d)·v with --explicit. --overlap runs tpedu with GPTConfig(ov
 "no-comm" is tpedu's step with every collective skipped (wrong numbers, right compute; on a
 separate copy of the model): the time no overlap or faster network could beat, so no-comm /
 DTensor is the lowest ratio this machine allows for the same arithmetic.
+
+"kernel" is the system CPU time per step of rank 0's process and its minor page faults: the
+kernel mapping and zeroing fresh pages for large temporaries (glibc returns big freed buffers
+to the kernel), plus gloo's socket calls.
 """
 
 from __future__ import annotations
@@ -22,15 +26,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import resource
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from dtensor_gpt import GPT, parallelize
-from harness import BATCH, CONFIG, batch, interleaved, load, timed_communication
+from harness import BACKEND, BATCH, CONFIG, batch, interleaved, load, timed_communication
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import loss_parallel
 
@@ -72,6 +77,15 @@ def no_communication() -> Iterator[None]:
             setattr(dist, n, fn)
 
 
+def kernel_time(step: Callable[[], None], steps: int = 3) -> tuple[float, float]:
+    """System CPU seconds and minor page faults per call of `step`, this process (all threads)."""
+    before = resource.getrusage(resource.RUSAGE_SELF)
+    for _ in range(steps):
+        step()
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    return (after.ru_stime - before.ru_stime) / steps, (after.ru_minflt - before.ru_minflt) / steps
+
+
 def worker(reps: int, sp: bool, config: GPTConfig) -> dict:
     tp = dist.get_world_size()
     mesh = init_device_mesh("cpu", (tp,))
@@ -84,7 +98,7 @@ def worker(reps: int, sp: bool, config: GPTConfig) -> dict:
     opt_ours = torch.optim.AdamW(ours.parameters(), lr=1e-4)
     opt_floor = torch.optim.AdamW(floor.parameters(), lr=1e-4)
     opt_theirs = torch.optim.AdamW(theirs.parameters(), lr=1e-4)
-    ids, tgt = batch()
+    ids, tgt = batch(config)
     losses = {}
 
     def step_ours() -> None:
@@ -124,14 +138,15 @@ def worker(reps: int, sp: bool, config: GPTConfig) -> dict:
             dist.barrier()
             step_ours()
         comm.append(acc["collective"])
-    return {"first_loss": first, "times": times, "comm": statistics.median(comm)}
+    kernel = {"tpedu": kernel_time(step_ours), "dtensor": kernel_time(step_theirs)}
+    return {"first_loss": first, "times": times, "comm": statistics.median(comm), "kernel": kernel}
 
 
 def single(reps: int, config: GPTConfig) -> float:
     torch.manual_seed(0)
     dense = DenseGPT(config)
     opt = torch.optim.AdamW(dense.parameters(), lr=1e-4)
-    ids, tgt = batch()
+    ids, tgt = batch(config)
     times = []
     for i in range(reps + 2):
         t = time.perf_counter()
@@ -162,17 +177,27 @@ def main() -> None:
     print(load())
     print(f"{'tp':>3} {'tpedu ms':>9} {'DTensor ms':>10} {'ratio':>6} {'comm ms':>8} "
           f"{'no-comm ms':>10} {'floor':>6} {'loss tpedu':>10} {'loss DTensor':>12}")  # fmt: skip
+    kernels = []
     for tp in args.tp:
-        r = tpedu.launch(worker, tp, args.reps, args.sp, c, timeout=1800)[0]
+        r = tpedu.launch(worker, tp, args.reps, args.sp, c, timeout=1800, backend=BACKEND)[0]
+        loss_t, loss_d = r["first_loss"]["tpedu"], r["first_loss"]["dtensor"]
+        if abs(loss_t - loss_d) > 1e-5 * abs(loss_d):  # fp32, same sums reordered: ~1e-7
+            raise SystemExit(f"tp {tp}: tpedu's loss {loss_t} != DTensor's {loss_d}; "
+                             "the two models do not compute the same thing")  # fmt: skip
         t, d, f = (r["times"][k] for k in ("tpedu", "dtensor", "floor"))
         print(f"{tp:>3} {1e3 * t:>9.1f} {1e3 * d:>10.1f} {t / d:>6.2f} {1e3 * r['comm']:>8.1f} "
               f"{1e3 * f:>10.1f} {f / d:>6.2f} "
-              f"{r['first_loss']['tpedu']:>10.6f} {r['first_loss']['dtensor']:>12.6f}")  # fmt: skip
+              f"{loss_t:>10.6f} {loss_d:>12.6f}")  # fmt: skip
+        kernels.append(f"tp {tp}: " + ", ".join(
+            f"{label} {1e3 * sys_s:.0f} ms ({faults * resource.getpagesize() / 2**20:.0f} MB faulted in)"
+            for label, (sys_s, faults) in zip(("tpedu", "DTensor"), r["kernel"].values(), strict=True)))  # fmt: skip
     print(
         "ratio = tpedu / DTensor; comm = tpedu's time inside collectives (waits included); "
         "floor = no-comm / DTensor"
     )
-    one = tpedu.launch(single, 1, args.reps, c, threads=2)[0]
+    print("kernel time per step, rank 0 (page faults of fresh buffers, socket calls):")
+    print("\n".join(kernels))
+    one = tpedu.launch(single, 1, args.reps, c, threads=2, backend=BACKEND)[0]
     print(f"single process, 2 threads, dense model: {1e3 * one:.1f} ms per step")
     print(load())
 

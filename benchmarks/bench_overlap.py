@@ -26,7 +26,7 @@ import statistics
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from harness import BATCH, CONFIG, TINY, batch, interleaved, load, timed_communication
+from harness import BACKEND, BATCH, CONFIG, TINY, batch, interleaved, load, timed_communication
 
 import tpedu
 from tpedu.data_parallel import DataParallel, allreduce_grads
@@ -121,7 +121,7 @@ def dp_main(a: argparse.Namespace) -> None:
     print(f"{'dp':>3} {'variant':<16} {'ms':>8} {'comm ms':>8} {'calls':>5} {'MB':>6} "
           f"{'saved':>7} {'overlap':>7} {'max |Δgrad|':>11}")  # fmt: skip
     for dp in a.dp:
-        ranks = tpedu.launch(dp_worker, dp, a.reps, c, a.buckets, timeout=1800)
+        ranks = tpedu.launch(dp_worker, dp, a.reps, c, a.buckets, timeout=1800, backend=BACKEND)
         rows = ranks[0]
         base = rows["after"]["ms"]
         for name, r in rows.items():
@@ -161,7 +161,9 @@ def main() -> None:
     print(load())
     print(f"{'tp':>3} {'plain ms':>9} {'async ms':>9} {'saved':>7}")
     for tp in a.tp:
-        r = tpedu.launch(worker, tp, a.reps, a.tokens, a.hidden, a.layers, timeout=1800)[0]
+        r = tpedu.launch(
+            worker, tp, a.reps, a.tokens, a.hidden, a.layers, timeout=1800, backend=BACKEND
+        )[0]
         print(f"{tp:>3} {1e3 * r['plain']:>9.1f} {1e3 * r['async']:>9.1f} "
               f"{100 * (1 - r['async'] / r['plain']):>6.1f}%")  # fmt: skip
     print(load())

@@ -29,7 +29,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from harness import BATCH, CONFIG, TINY, batch, load, timed_communication
+from harness import BACKEND, BATCH, CONFIG, TINY, batch, load, timed_communication
 
 import tpedu
 from tpedu.cost_model import AlphaBeta, fit, measure
@@ -162,7 +162,7 @@ def run_layout(config: GPTConfig, layout: Layout, reps: int, micro: int | None =
                n_chunks: int = 1) -> dict:  # fmt: skip
     """Launch the layout and reduce the ranks' results to one table row (plus the raw ranks)."""
     ranks = tpedu.launch(worker, layout.world, config, layout.tp, layout.pp, layout.dp, reps,
-                         micro, kind, fit_sizes, n_chunks, timeout=1800)  # fmt: skip
+                         micro, kind, fit_sizes, n_chunks, timeout=1800, backend=BACKEND)  # fmt: skip
     per_rep = lambda key: [max(r[key][i] for r in ranks) for i in range(reps)]
     step, comm, p2p = (statistics.median(per_rep(k)) for k in ("steps", "comms", "p2ps"))
     heavy = max(range(layout.world), key=lambda i: (ranks[i]["bytes"], -i))

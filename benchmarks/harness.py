@@ -21,6 +21,9 @@ from tpedu.model import GPTConfig
 # Untied embeddings: DTensor's plan shards the embedding and the head differently.
 CONFIG = GPTConfig(8192, seq_len=256, n_layers=4, hidden=256, n_heads=8, tie_embeddings=False)
 BATCH = 8
+# The benchmarks time CPU ranks, one thread each (the setting): their meshes, timers and
+# batches live on the CPU, so they ask for gloo even on a machine with GPUs.
+BACKEND = "gloo"
 
 
 def load() -> str:
@@ -29,7 +32,9 @@ def load() -> str:
     return f"load average {a:.2f} {b:.2f} {c:.2f} on {os.cpu_count()} CPUs"
 
 
-def batch(config: GPTConfig = CONFIG, b: int = BATCH, seed: int = 0):
+def batch(
+    config: GPTConfig = CONFIG, b: int = BATCH, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     shape = (b, config.seq_len)
     return (torch.randint(0, config.vocab_size, shape, generator=g),

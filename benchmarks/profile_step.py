@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from bench_dtensor import copy_dense
 from dtensor_gpt import GPT, parallelize
-from harness import CONFIG, batch, load
+from harness import BACKEND, CONFIG, batch, load
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.profiler import ProfilerActivity, profile
@@ -66,7 +66,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=25)
     a = ap.parse_args()
     print(load())
-    r = tpedu.launch(worker, a.tp, a.rows, timeout=1800)[0]
+    r = tpedu.launch(worker, a.tp, a.rows, timeout=1800, backend=BACKEND)[0]
     for name in ("tpedu", "dtensor"):
         print(f"\n{name}, tp {a.tp}, rank 0, one training step\n{r[name]}")
     print(load())

@@ -6,8 +6,10 @@ import math
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
+import tpedu
 from tpedu.mesh import Layout
 from tpedu.model import DenseGPT
 from tpedu.train import default_micro_batches
@@ -53,3 +55,20 @@ def test_scaling_row_3d_tiny():
     heavy = row["ranks_raw"][row["rank"]]
     assert row["mbytes"] == heavy["bytes"] / 1e6
     assert heavy["bytes"] == max(r["bytes"] for r in row["ranks_raw"])
+
+
+def test_dtensor_worker_tiny():
+    """bench_dtensor's worker at tp 2 on a tiny model: both models start from the same loss, and
+    every figure it reports is a real measurement (positive times, non-negative kernel time)."""
+    harness, bench = _bench("harness"), _bench("bench_dtensor")
+    r = tpedu.launch(bench.worker, 2, 1, False, harness.TINY, timeout=300)[0]
+    # fp32, the same vocab-parallel sums in a different order: ~1e-7 relative
+    assert r["first_loss"]["tpedu"] == pytest.approx(r["first_loss"]["dtensor"], rel=1e-6)
+    assert all(t > 0 for t in r["times"].values()) and set(r["times"]) == {
+        "tpedu",
+        "dtensor",
+        "floor",
+    }
+    assert r["comm"] > 0  # tpedu's collectives were timed
+    for sys_s, faults in r["kernel"].values():
+        assert sys_s >= 0 and faults >= 0
