@@ -116,23 +116,27 @@ def test_bad_configs_are_clear_errors():
 def counts_after_moving():
     """build_model builds on the CPU, then moves the model to its GPU: the replica counts of the
     QKV rows stay on the CPU and must follow the gradients. The meta device plays the GPU
-    (mixing it with CPU tensors raises, as CUDA does). Unlike .to("cuda"), .to("meta") makes new
-    Parameter objects, so the counts are re-keyed to them as CUDA's same objects would be."""
-    model = TPGPT(DenseGPT(CONFIGS["llama"]))
-    before = list(model.parameters())
-    model.to("meta")
-    model._copies = {
-        id(new): model._copies[id(old)]
-        for old, new in zip(before, model.parameters(), strict=True)
-        if id(old) in model._copies
-    }
-    for p in model.parameters():
+    (mixing it with CPU tensors raises, as CUDA does). Unlike .to("cuda"), .to("meta") and
+    to_empty() make new Parameter objects: the counts, keyed by parameter name, must still find
+    them. At tp 4 the llama config's 2 KV heads are replicated twice and norms 4 times, so a
+    count that is lost (the default, t) changes the sum."""
+    on_meta = TPGPT(DenseGPT(CONFIGS["llama"])).to("meta")
+    for p in on_meta.parameters():
         p.grad = torch.zeros_like(p)
-    return model.squared_grad_sum().device.type
+    device = on_meta.squared_grad_sum().device.type
+    model = TPGPT(DenseGPT(CONFIGS["llama"]))
+    moved = TPGPT(DenseGPT(CONFIGS["llama"])).to("meta").to_empty(device="cpu")
+    assert not any(a is b for a, b in zip(model.parameters(), moved.parameters(), strict=True))
+    for m in (model, moved):
+        for p in m.parameters():
+            p.grad = torch.ones_like(p)
+    return device, model.squared_grad_sum().item(), moved.squared_grad_sum().item()
 
 
 def test_gradient_norm_counts_follow_the_model_to_its_device():
-    assert launch(counts_after_moving, 1) == ["meta"]
+    for device, before, after in launch(counts_after_moving, 4):
+        assert device == "meta"
+        assert after == before  # ones everywhere: the same counts give the same sum, exactly
 
 
 def train_losses(config, steps):

@@ -408,34 +408,35 @@ class TPGPT(nn.Module):
         """This rank's share of the squared gradient norm (float64 scalar, no communication):
         each element's square divided by its number of copies; `skip` is left out."""
         sq = torch.zeros((), dtype=torch.float64, device=next(self.parameters()).device)
-        for p in self.parameters():
+        for name, p in self.named_parameters():
             if p.grad is not None and p is not skip:
-                copies = self._copies.get(id(p), self.tp)
+                copies = self._copies.get(name, self.tp)
                 if isinstance(copies, torch.Tensor) and copies.device != p.grad.device:
                     # e.g. built on the CPU, then moved: build_model's .to(device())
-                    copies = self._copies[id(p)] = copies.to(p.grad.device)
+                    copies = self._copies[name] = copies.to(p.grad.device)
                 sq += (p.grad.double().square() / copies).sum()
         return sq
 
-    def _count_copies(self) -> dict[int, float | torch.Tensor]:
-        """{id(param): ranks holding a copy} for the parameters that are not fully replicated.
-
-        The counts are on the device the model is built on (usually the CPU); a later .to()
-        does not move this dict, so squared_grad_sum moves a count to its gradient's device.
+    def _count_copies(self) -> dict[str, float | torch.Tensor]:
+        """{parameter name: ranks holding a copy} for the parameters that are not fully
+        replicated. Keyed by name, which survives .to() and to_empty() (they may replace the
+        Parameter objects). The counts are on the device the model is built on (usually the
+        CPU); squared_grad_sum moves a count to its gradient's device.
         """
-        copies: dict[int, float | torch.Tensor] = {}
-        for m in self.modules():
+        copies: dict[str, float | torch.Tensor] = {}
+        for prefix, m in self.named_modules():
+            at = f"{prefix}." if prefix else ""
             if isinstance(m, (ColumnParallelLinear, VocabParallelEmbedding)):
-                copies.update({id(p): 1.0 for p in m.parameters(recurse=False)})
+                copies.update({at + n: 1.0 for n, _ in m.named_parameters(recurse=False)})
             elif isinstance(m, RowParallelLinear):
-                copies[id(m.weight)] = 1.0  # its bias is replicated
+                copies[at + "weight"] = 1.0  # its bias is replicated
             elif isinstance(m, ParallelAttention):
                 d = m.head_dim
                 rows = torch.ones(m.qkv_weight.shape[0], dtype=torch.float64)
                 rows[len(m.q_heads) * d :] = m.kv_replicas
-                copies[id(m.qkv_weight)] = rows.to(m.qkv_weight.device)[:, None]
+                copies[at + "qkv_weight"] = rows.to(m.qkv_weight.device)[:, None]
                 if m.qkv_bias is not None:
-                    copies[id(m.qkv_bias)] = rows.to(m.qkv_bias.device)
+                    copies[at + "qkv_bias"] = rows.to(m.qkv_bias.device)
         return copies
 
     def sync_grads(self, sequence_parallel_grads: bool = True) -> None:
