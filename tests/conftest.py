@@ -4,6 +4,10 @@ import pytest
 
 # Exercise tests read TPEDU_IMPL through tpedu.grading.implementation; default to the reference.
 os.environ.setdefault("TPEDU_IMPL", "solutions")
+# The suite runs its ranks on gloo on every machine, GPU nodes included: its tests build CPU
+# tensors and some check gloo's own behaviour, and the notebooks' stored outputs come from CPU
+# ranks (nbval's kernels inherit this). TPEDU_BACKEND=nccl in the environment overrides it.
+os.environ.setdefault("TPEDU_BACKEND", "gloo")
 
 
 @pytest.fixture(autouse=True)

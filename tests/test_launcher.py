@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -172,3 +173,36 @@ def test_ctrl_c_kills_every_rank(tmp_path):
 
 def test_device_is_cpu_on_gloo():
     assert launch(tpedu.device, 2) == [torch.device("cpu")] * 2
+
+
+def test_backend_override(monkeypatch):
+    from tpedu.launcher import default_backend
+
+    monkeypatch.setenv("TPEDU_BACKEND", "nccl")
+    assert default_backend(8) == "nccl"
+    monkeypatch.setenv("TPEDU_BACKEND", "mpi")
+    with pytest.raises(ValueError, match="TPEDU_BACKEND='mpi': use one of gloo, nccl"):
+        default_backend(2)
+    monkeypatch.setenv("TPEDU_BACKEND", "gloo")
+    assert launch(lambda: dist.get_backend(), 2) == ["gloo", "gloo"]
+
+
+@dataclass
+class Held:
+    loss: torch.Tensor
+    parts: tuple
+
+
+def nested_tensors():
+    w = torch.nn.Parameter(torch.ones(3))
+    return Held(loss=(w * 2).sum(), parts=(w, {"g": w * 3}))
+
+
+def test_tensors_come_back_detached_wherever_they_sit():
+    """A dataclass holding a non-leaf tensor that requires grad and a Parameter: both arrive as
+    plain detached CPU tensors (the same path moves CUDA tensors to the CPU, so unpickling a
+    result never initialises CUDA in the launching process)."""
+    (held,) = launch(nested_tensors, 1)
+    w, g = held.parts[0], held.parts[1]["g"]
+    assert held.loss.item() == 6.0 and not held.loss.requires_grad
+    assert type(w) is torch.Tensor and not w.requires_grad and torch.equal(g, torch.full((3,), 3.0))

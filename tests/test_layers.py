@@ -84,6 +84,11 @@ def column_worker():
     # A custom row layout: rank r holds dense output features order[r·n : (r+1)·n].
     order = torch.randperm(OUT, generator=torch.Generator().manual_seed(7)).to(tpedu.device())
     permuted = ColumnParallelLinear(dense.weight, dense.bias, row_order=order)
+    # the order moves with the module (a GPU rank builds on the CPU, then calls .to(device))
+    moved = ColumnParallelLinear(dense.weight, dense.bias, row_order=order).to("meta")
+    out["perm_moves"] = moved.inverse_order.device.type == "meta" and "row_order" not in (
+        moved.state_dict()
+    )
     y = permuted(x)
     out["perm_fwd"] = md(y, dense(x)[..., order[r * n : (r + 1) * n]])
     out["perm_back"] = md(permuted.dense_weight(), dense.weight) + md(
@@ -156,6 +161,7 @@ def test_column_parallel_matches_dense(t):
         assert o["gather_dx"] <= REORDERED
         assert o["perm_fwd"] <= SAME_MATH and o["perm_gather"] <= SAME_MATH
         assert o["perm_back"] == 0.0, "row_order: dense_weight() must undo the permutation"
+        assert o["perm_moves"], "row_order must be a non-persistent buffer that .to() moves"
         assert o["perm_grads"] <= REORDERED, f"row_order grads: max |diff| = {o['perm_grads']:.3e}"
         assert o["gather_calls"] == [
             ("all_gather", "forward", BATCH[0] * BATCH[1] * OUT),

@@ -176,7 +176,6 @@ def _check_ranks(args: argparse.Namespace) -> None:
             _fail(f"--{name} must be at least 1, got {getattr(args, name)}")
     others = getattr(args, "pp", 1) * getattr(args, "dp", 1)
     if args.backend == "nccl":  # one GPU per rank on this machine
-        os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # count without a CUDA context
         gpus = torch.cuda.device_count()
         here = (
             int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))

@@ -28,6 +28,7 @@ import contextlib
 import ctypes
 import datetime
 import importlib
+import io
 import multiprocessing as mp
 import os
 import pickle
@@ -46,6 +47,12 @@ import torch
 import torch.distributed as dist
 
 DEFAULT_TIMEOUT = 120.0
+BACKENDS = ("gloo", "nccl")
+
+# torch.cuda.is_available() and device_count() then ask NVML instead of creating CUDA driver
+# state, which would make every later fork unable to use CUDA. Set at import, before any caller
+# (a notebook cell, the CLI) can ask.
+os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 
 # Messages a rank raises only because *another* rank failed first.
 _SECONDARY_MARKERS = (
@@ -98,8 +105,13 @@ def free_port() -> int:
 
 
 def default_backend(world_size: int) -> str:
-    """NCCL when there is one GPU per rank, else gloo. Does not initialise CUDA."""
-    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    """$TPEDU_BACKEND if set (gloo or nccl); else NCCL when there is one GPU per rank, else gloo.
+    Does not initialise CUDA."""
+    forced = os.environ.get("TPEDU_BACKEND")
+    if forced:
+        if forced not in BACKENDS:
+            raise ValueError(f"TPEDU_BACKEND={forced!r}: use one of {', '.join(BACKENDS)}")
+        return forced
     if torch.cuda.is_available() and torch.cuda.device_count() >= world_size:
         return "nccl"
     return "gloo"
@@ -398,14 +410,27 @@ def _redirect_output(outdir: str, rank: int) -> None:
     sys.stderr = open(2, "w", buffering=1, encoding="utf-8", closefd=False)
 
 
-def _to_cpu(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu()
-    if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)) and type(obj) in (list, tuple):
-        return type(obj)(_to_cpu(v) for v in obj)
-    return obj
+def _same(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+class _CPUPickler(pickle.Pickler):
+    """Pickles a rank's result with every tensor detached and on the CPU, wherever it sits
+    (dicts, dataclasses, namedtuples, ...): unpickling a CUDA tensor in the launching process
+    would initialise CUDA there, and no later launch could fork ranks that use it."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor) and (
+            obj.device.type != "cpu" or obj.requires_grad or type(obj) is not torch.Tensor
+        ):
+            return _same, (obj.detach().cpu().as_subclass(torch.Tensor),)
+        return NotImplemented
+
+
+def _dumps(obj: Any) -> bytes:
+    buffer = io.BytesIO()
+    _CPUPickler(buffer).dump(obj)
+    return buffer.getvalue()
 
 
 def _rank_main(job: _Job, rank: int, port: int, *, conn: Connection, outdir: str) -> None:
@@ -426,6 +451,12 @@ def _rank_main(job: _Job, rank: int, port: int, *, conn: Connection, outdir: str
     )
     try:
         if backend == "nccl":
+            if torch.cuda._is_in_bad_fork():
+                raise RuntimeError(
+                    "the launching process initialised CUDA before forking the ranks (a "
+                    "torch.cuda call, or a library that made one), so no rank can use its GPU. "
+                    "Restart the kernel and let only the ranks touch CUDA."
+                )
             torch.cuda.set_device(rank)
         dist.init_process_group(
             backend,
@@ -434,7 +465,7 @@ def _rank_main(job: _Job, rank: int, port: int, *, conn: Connection, outdir: str
             world_size=world_size,
             timeout=datetime.timedelta(seconds=job.collective_timeout),
         )
-        result = _to_cpu(job.fn(*job.args, **job.kwargs))
+        result = job.fn(*job.args, **job.kwargs)
         if backend == "nccl":
             torch.cuda.synchronize()
         dist.destroy_process_group()
@@ -444,7 +475,7 @@ def _rank_main(job: _Job, rank: int, port: int, *, conn: Connection, outdir: str
     sys.stdout.flush()
     sys.stderr.flush()
     try:
-        data = pickle.dumps(message)
+        data = _dumps(message)
     except Exception as e:  # the result itself could not be pickled
         text = f"rank {rank} returned a value that cannot be sent back: {e}"
         data = pickle.dumps(("error", ("PicklingError", text, "", time.time())))

@@ -131,8 +131,9 @@ class ColumnParallelLinear(nn.Module):
         self.tp = dist.get_world_size(group)
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         check_divisible(self.out_features, self.tp, "out_features of ColumnParallelLinear")
-        self.row_order: torch.Tensor | None = None
-        self.inverse_order: torch.Tensor | None = None
+        # Buffers, not attributes, so .to(device) moves them with the weight; not in state_dict.
+        self.register_buffer("row_order", None, persistent=False)
+        self.register_buffer("inverse_order", None, persistent=False)
         if row_order is not None:
             order = torch.as_tensor(row_order, dtype=torch.long, device=weight.device)
             if not torch.equal(

@@ -363,9 +363,17 @@ def run_schedule(
     total: torch.Tensor | None = None
     peak = 0
 
+    def clock() -> float:
+        # On CUDA, work is queued: wait for this rank's compute stream (which a finished
+        # irecv's wait() also orders) so events time the work, not its launch. NCCL's own
+        # streams are not waited for: a pending isend must not block the clock.
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
+        return time.perf_counter()
+
     def receive(src: int, group: dist.ProcessGroup | None, what: str) -> torch.Tensor:
         buf = torch.empty(tuple(hidden_shape), dtype=dtype, device=device)
-        t = time.perf_counter()
+        t = clock()
         work = collectives.irecv(buf, src, group)
         try:
             if recv_timeout is None:
@@ -378,7 +386,7 @@ def run_schedule(
                 f"{src}: the stages' schedules do not match (a send without its receive), or a "
                 f"stage before it failed. ({str(e).splitlines()[0][:120]})"
             ) from e
-        events.append(Event(s, "wait", -1, -1, t, time.perf_counter()))
+        events.append(Event(s, "wait", -1, -1, t, clock()))
         return buf
 
     for action in actions:
@@ -394,9 +402,9 @@ def run_schedule(
                     else receive(prev_rank, pipe.fwd_group, f"the activation of micro-batch {mb}")
                 )
                 x.requires_grad_(torch.is_grad_enabled())
-            t = time.perf_counter()
+            t = clock()
             out = chunks[c](x, targets[mb] if vs == last_vs else None, step=step)
-            events.append(Event(s, "F", mb, c, t, time.perf_counter()))
+            events.append(Event(s, "F", mb, c, t, clock()))
             if vs == last_vs:
                 out = out / n_micro
                 total = out.detach() if total is None else total + out.detach()
@@ -417,10 +425,10 @@ def run_schedule(
             elif vs != last_vs:
                 grad = receive(next_rank, pipe.bwd_group, f"the gradient of micro-batch {mb}")
             sync = no_sync is None or mb == n_micro - 1
-            t = time.perf_counter()
+            t = clock()
             with nullcontext() if sync else no_sync():
                 torch.autograd.backward(out, grad)
-            events.append(Event(s, "B", mb, c, t, time.perf_counter()))
+            events.append(Event(s, "B", mb, c, t, clock()))
             if vs > 0:
                 g = x.grad.contiguous()
                 if p == 1:

@@ -235,14 +235,16 @@ def generate(config: GPTConfig, state: dict[str, torch.Tensor], prompt_ids: list
     """Continue `prompt_ids` on every rank of the TP group; every rank returns the same ids.
 
     Sampling never looks at one shard's logits alone (that picks the wrong token): it uses the
-    vocab-parallel sampler, with the same generator seed on every rank. The config's
+    vocab-parallel sampler, with the same generator seed on every rank; the noise comes from a
+    CPU generator on every backend, so a tp=1 run on a GPU and a tp=2 run on CPU ranks draw the
+    same noise (the text then differs only where the logits' rounding does). The config's
     training-only layout (sequence parallelism, recompute, overlap) is turned off first: the
     growing sequence is not always divisible by tp, and the tensors are the same either way.
     """
     config = generation_config(config)
     model = TPGPT.from_state_dict(config, state).to(device())
     model.eval()
-    gen = torch.Generator(device=device()).manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed)  # CPU noise: the same tokens on CPU and CUDA ranks
     ids = torch.tensor([prompt_ids], dtype=torch.long, device=device())
     for _ in range(max_new_tokens):
         logits = model(ids[:, -config.seq_len :])[:, -1]  # [1, Vp/t] (or [1, V] if replicated)
