@@ -37,7 +37,8 @@ def mask_padding(logits_shard: torch.Tensor, start: int, vocab_size: int) -> tor
     Symptom: loss too high whenever vocab_size % tp != 0.
     """
     raise NotImplementedError(
-        "hint: cols = torch.arange(start, start + n); masked_fill(cols >= vocab_size, -inf)"
+        "hint: cols = torch.arange(start, start + n, device=logits_shard.device); "
+        "masked_fill(cols >= vocab_size, -inf)"
     )
 
 

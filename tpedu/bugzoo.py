@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from tpedu import attention, collectives, mesh, model, pipeline, tp_ops, vocab_parallel
+from tpedu.launcher import device
 from tpedu.troubleshoot import compare_with_dense
 
 # The small models every check uses: an odd vocabulary (37: padded at tp 2 and 4), 4 heads.
@@ -192,7 +193,7 @@ def check_argmax() -> tuple[bool, str]:
     g = torch.Generator().manual_seed(5)
     v, t, r = 37, dist.get_world_size(), dist.get_rank()
     n = -(-v // t)
-    full = torch.randn(16, v, generator=g, dtype=torch.float64)
+    full = torch.randn(16, v, generator=g, dtype=torch.float64).to(device())
     padded = torch.nn.functional.pad(full, (0, n * t - v))
     got = vocab_parallel.vocab_parallel_argmax(padded[:, r * n : (r + 1) * n], v)
     wrong = int((got != full.argmax(-1)).sum())
@@ -203,8 +204,9 @@ def check_pipeline() -> tuple[bool, str]:
     """pp 2, 1F1B, 2 micro-batches: the step must finish (a receive waits at most 1 s)."""
     m = mesh.Mesh(mesh.Layout(tp=1, pp=2, dp=1))
     torch.manual_seed(0)
-    chunks = pipeline.build_stage_chunks(model.DenseGPT(GPT2), m.tp_group, m.pp_rank, 2)
-    ids, tgt = _batch(GPT2, b=4)
+    dense = model.DenseGPT(GPT2)  # built on the CPU (the same init on every rank), then moved
+    chunks = [c.to(device()) for c in pipeline.build_stage_chunks(dense, m.tp_group, m.pp_rank, 2)]
+    ids, tgt = (x.to(device()) for x in _batch(GPT2, b=4))
     acts = pipeline.schedule("1f1b", 2, 2, m.pp_rank)
     try:
         pipeline.run_schedule(chunks, acts, pipeline.Pipe.from_mesh(m), list(ids.chunk(2)),

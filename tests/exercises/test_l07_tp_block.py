@@ -58,10 +58,13 @@ def _worker(config: GPTConfig, step: int) -> dict:
         for p in [*dense.norm1.parameters(), *dense.norm2.parameters()]:
             p.add_(torch.randn_like(p) * 0.5)
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(B, S, config.hidden, generator=g, dtype=torch.float64)
-    dy = torch.randn(B, S, config.hidden, generator=g, dtype=torch.float64)
+    x = torch.randn(B, S, config.hidden, generator=g, dtype=torch.float64).to(tpedu.device())
+    dy = torch.randn(B, S, config.hidden, generator=g, dtype=torch.float64).to(tpedu.device())
 
-    block = m.TPBlock(dense, None)  # built first: a norm shared with `dense` gets both gradients
+    # Built on the CPU (the same init on every rank), then moved to this rank's device. The block
+    # is built first: a norm shared with `dense` gets both gradients.
+    block = m.TPBlock(dense, None).to(tpedu.device())
+    dense.to(tpedu.device())
     xd = x.clone().requires_grad_()
     yd = dense(xd, step)
     (yd * dy).sum().backward()

@@ -57,12 +57,14 @@ def test_runs_a_real_pipeline_with_dense_gradients():
 
     def worker():
         mesh = Mesh(Layout(1, 3, 1))
-        torch.manual_seed(0)
+        torch.manual_seed(0)  # built on the CPU (the same init on every rank), then moved
         chunks = [
-            c.double() for c in build_stage_chunks(DenseGPT(config), mesh.tp_group, mesh.pp_rank, 3)
+            c.double().to(tpedu.device())
+            for c in build_stage_chunks(DenseGPT(config), mesh.tp_group, mesh.pp_rank, 3)
         ]
+        x, y = ids.to(tpedu.device()), tgt.to(tpedu.device())
         acts = implementation(NAME).one_f_one_b(3, 3, mesh.pp_rank)
-        run_schedule(chunks, acts, Pipe.from_mesh(mesh), list(ids.chunk(3)), list(tgt.chunk(3)),
+        run_schedule(chunks, acts, Pipe.from_mesh(mesh), list(x.chunk(3)), list(y.chunk(3)),
                      (2, 5, 8), torch.float64)  # fmt: skip
         sync_tied_grads(chunks, mesh.emb_group)
         return chunks[0].gather_state_dict(grads=True)

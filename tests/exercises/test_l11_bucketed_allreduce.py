@@ -51,7 +51,7 @@ def test_allreduce_bucket_averages_with_one_all_reduce():
 
     def worker():
         rank = dist.get_rank()
-        grads = data(rank)
+        grads = [x.to(tpedu.device()) for x in data(rank)]
         before = [x.clone() for x in grads]
         with CommTracer() as t:
             out = implementation(NAME).allreduce_bucket(grads, None)

@@ -19,6 +19,7 @@ NAME = "l15_bug_hunt"
 
 def _f_worker(x, w, dy):
     m = implementation(NAME)
+    x, w, dy = (a.to(tpedu.device()) for a in (x, w, dy))  # made on the CPU by the test
     t, r = dist.get_world_size(), dist.get_rank()
     n = w.shape[0] // t
     x = x.clone().requires_grad_()
@@ -61,6 +62,7 @@ def test_mask_padding():
 
 def _argmax_worker(full, vocab):
     m = implementation(NAME)
+    full = full.to(tpedu.device())
     t, r = dist.get_world_size(), dist.get_rank()
     n = -(-vocab // t)
     padded = torch.cat([full, full.new_full((*full.shape[:-1], n * t - vocab), 1e4)], -1)
