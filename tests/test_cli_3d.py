@@ -1,9 +1,11 @@
 """`python -m tpedu train --tp T --pp P --dp D`: plainly (8 local ranks, through the CLI's
 `main` in this process to save an interpreter start) and as a real two-"node" torchrun job on
-loopback, both matching the one-process run's losses step by step.
+loopback, both matching the one-process run's losses and gradient norms step by step.
 
 Tolerance 2e-5 relative: float32, sums reordered by micro-batching, DP and TP (see
-tests/test_train_3d.py); a real error moves the losses by ≥1e-3.
+tests/test_train_3d.py). The losses alone miss an error that scales the whole gradient (a sum
+over DP replicas instead of the mean): AdamW divides by √v and clipping rescales, so the updates
+do not change. The gradient norm does: `--eval-every 1` records it in the history every step.
 """
 
 import json
@@ -16,7 +18,7 @@ from tpedu.__main__ import main
 from tpedu.launcher import free_port
 
 SMALL = ["--layers", "2", "--hidden", "32", "--heads", "4", "--seq", "16", "--batch", "4",
-         "--steps", "3", "--eval-every", "3"]  # fmt: skip
+         "--steps", "3", "--eval-every", "1"]  # fmt: skip
 
 
 def tpedu(capfd, *args):
@@ -29,21 +31,27 @@ def tpedu(capfd, *args):
     return code, out, err
 
 
-def losses(path):
-    return json.loads(path.read_text())["losses"]
+def read_summary(path):
+    return json.loads(path.read_text())
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     path = tmp_path_factory.mktemp("ref") / "s.json"
     assert main(["train", "--tp", "1", *SMALL, "--json", str(path)]) == 0
-    return losses(path)
+    return read_summary(path)
 
 
 def same(got, ref):
-    assert len(got) == len(ref) == 3
-    for step, (a, b) in enumerate(zip(got, ref, strict=True)):
+    """Every step's loss, gradient norm (before clipping) and validation loss."""
+    assert len(got["losses"]) == len(ref["losses"]) == 3
+    for step, (a, b) in enumerate(zip(got["losses"], ref["losses"], strict=True)):
         assert a == pytest.approx(b, rel=2e-5), f"step {step}: {a} vs one process {b}"
+    assert [h["step"] for h in ref["history"]] == [1, 2, 3]
+    for h, r in zip(got["history"], ref["history"], strict=True):
+        assert h["step"] == r["step"]
+        assert h["grad_norm"] == pytest.approx(r["grad_norm"], rel=2e-5), f"{h} vs {r}"
+        assert h["val_loss"] == pytest.approx(r["val_loss"], rel=2e-5), f"{h} vs {r}"
 
 
 def test_train_2x2x2_plainly_on_8_ranks(reference, tmp_path, capfd):
@@ -54,7 +62,7 @@ def test_train_2x2x2_plainly_on_8_ranks(reference, tmp_path, capfd):
     assert (summary["tp"], summary["pp"], summary["dp"]) == (2, 2, 2)
     assert summary["stages"] == [[0, 1], [1, 2]]  # 2 blocks on 2 stages: one each, head or not
     assert summary["settings"]["model"]["stage_split"] == "flops"
-    same(losses(tmp_path / "s.json"), reference)
+    same(read_summary(tmp_path / "s.json"), reference)
 
 
 def test_two_node_torchrun_on_loopback(reference, tmp_path):
@@ -81,7 +89,7 @@ def test_two_node_torchrun_on_loopback(reference, tmp_path):
         assert p.returncode == 0, err[-3000:]
     written = [f for f in (tmp_path / "s0.json", tmp_path / "s1.json") if f.exists()]
     assert len(written) == 1  # global rank 0 writes the summary, on whichever node it landed
-    same(losses(written[0]), reference)
+    same(read_summary(written[0]), reference)
 
 
 @pytest.mark.parametrize(

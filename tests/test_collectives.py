@@ -22,10 +22,11 @@ def run_collectives(shape):
     with CommTracer() as trace:
         reduced = C.all_reduce(x.clone())
         gathered = [C.all_gather(x, dim=d) for d in range(len(shape))]
-        big = torch.cat([rank_input(rank, shape)] * t, dim=1)  # dim 1 divisible by t
+        # chunk j of each input is x + 10·j: a rank that keeps or sends the wrong chunk shows
+        big = torch.cat([x + 10 * j for j in range(t)], dim=1)  # dim 1 divisible by t
         scattered = C.reduce_scatter(big, dim=1)
         b = C.broadcast(x.clone(), src=t - 1)
-        a2a = C.all_to_all(torch.cat([x] * t, dim=0) + rank)
+        a2a = C.all_to_all(torch.cat([x + 10 * j for j in range(t)], dim=0) + 100 * rank)
     return reduced, gathered, scattered, b, a2a, trace.records
 
 
@@ -40,12 +41,13 @@ def test_collectives_match_their_definitions(world_size):
         torch.testing.assert_close(reduced, total, rtol=1e-14, atol=1e-14)
         for d, g in enumerate(gathered):
             assert torch.equal(g, torch.cat(xs, dim=d)), f"all_gather dim {d}"
-        full = torch.cat([total] * world_size, dim=1)
-        expected = full.chunk(world_size, dim=1)[rank]
+        # rank r keeps chunk r summed over the t ranks: sum_k (x_k + 10·r)
+        expected = sum(xs[k] + 10 * rank for k in range(world_size))
         torch.testing.assert_close(scattered, expected, rtol=1e-14, atol=1e-14)
         assert torch.equal(b, xs[-1])
-        # rank j sends chunk i of cat([x_j] * t) + j to rank i, so rank i receives every x_j + j
-        assert torch.equal(a2a, torch.cat([xs[j] + j for j in range(world_size)], dim=0))
+        # rank j sends its chunk i, x_j + 10·i + 100·j, to rank i; rank i stacks them in rank order
+        want = torch.cat([xs[j] + 10 * rank + 100 * j for j in range(world_size)], dim=0)
+        assert torch.equal(a2a, want)
         ops = [r.op for r in records]
         assert ops == ["all_reduce"] + ["all_gather"] * 3 + [
             "reduce_scatter",

@@ -139,19 +139,19 @@ def test_dp_training_steps_equal_one_process():
             opt.step()
         return {k: p.detach().clone() for k, p in m.state_dict().items()}
 
-    n = 2
-    ref = model()
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    for step in range(3):
-        ids, tgt = global_batch(n, step)
-        opt.zero_grad()
-        ref(ids, tgt).backward()
-        opt.step()
-    # Adam divides by √v: a 1e-16 gradient difference stays ≈1e-16 relative in the update.
-    for state in launch(worker, n, n):
-        for k, v in ref.state_dict().items():
-            ok, diff = close(state[k], v, rel=1e-10)
-            assert ok, f"{k}: max |dp - one process| = {diff:.2e}"
+    for n in (2, 4):
+        ref = model()
+        opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+        for step in range(3):
+            ids, tgt = global_batch(n, step)
+            opt.zero_grad()
+            ref(ids, tgt).backward()
+            opt.step()
+        # Adam divides by √v: a 1e-16 gradient difference stays ≈1e-16 relative in the update.
+        for state in launch(worker, n, n):
+            for k, v in ref.state_dict().items():
+                ok, diff = close(state[k], v, rel=1e-10)
+                assert ok, f"dp={n} {k}: max |dp - one process| = {diff:.2e}"
 
 
 def test_bad_bucket_size_is_a_clear_error():

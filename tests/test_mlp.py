@@ -1,6 +1,6 @@
 """ParallelMLP against DenseMLP (single process), forward and backward, dropout ON (hidden and
-output, two steps with different masks), GeLU / ReLU / SwiGLU, at tp 1-4; its communication
-contract; construction errors.
+output, two steps with different masks) and in eval mode (dropout off), GeLU / ReLU / SwiGLU, at
+tp 1-4; its communication contract; construction errors.
 
 Tolerance: 1e-12 absolute in float64. fc2's partial sums are added across ranks in another order
 (the all-reduce), and CPU GEMM kernels differ by a few ulps between shard and dense widths
@@ -71,8 +71,10 @@ def mlp_worker():
         with torch.no_grad():
             a, b = dense(x, step=0), dense(x, step=1)
             c = dense.eval()(x)
+            evaluated = md(par.eval()(x), c)  # eval mode: both dropouts off in both MLPs
         changed = md(a, b) > 0 and md(a, c) > 0
-        results[act] = dict(diffs=diffs, grads=grads, calls=calls, shapes=shapes, changed=changed)
+        results[act] = dict(diffs=diffs, grads=grads, calls=calls, shapes=shapes, changed=changed,
+                            evaluated=evaluated)  # fmt: skip
     return results
 
 
@@ -91,6 +93,9 @@ def test_parallel_mlp_matches_dense_with_dropout(t):
                 f"{act}, tp={t}: weight/bias grads max |diff| = {res['grads']:.3e}"
             )
             assert res["changed"], "dropout must change the output, and masks must vary by step"
+            assert res["evaluated"] <= TOL, (
+                f"{act}, tp={t}: eval-mode output max |parallel - dense| = {res['evaluated']:.3e}"
+            )
             # Contract: exactly 1 all-reduce of b·s·h forward and 1 backward, nothing else.
             for calls in res["calls"]:
                 assert calls == [("all_reduce", "forward", n), ("all_reduce", "backward", n)]

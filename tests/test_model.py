@@ -1,5 +1,5 @@
-"""The tensor-parallel GPT against the dense GPT: forward, backward, state dicts, gradient norm,
-communication per step, and training steps on the novel.
+"""The tensor-parallel GPT against the dense GPT: forward (dropout on, and in eval mode),
+backward, state dicts, gradient norm, communication per step, and training steps on the novel.
 
 Tolerances: in float64 the only differences come from sums reordered by the row-parallel
 all-reduces and the vocab-parallel softmax (≈1e-16 relative each); 1e-10 leaves room for their
@@ -50,9 +50,13 @@ def compare_with_dense(name):
         loss.backward()
     model.sync_grads()
     dense_norm = torch.nn.utils.get_total_norm([p.grad for p in dense.parameters()])
+    logits = (model.full_logits(ids), dense(ids))
+    with torch.no_grad():  # eval mode: every dropout site must switch off, in both models
+        eval_logits = (model.eval().full_logits(ids), dense.eval()(ids))
     return {
         "loss": (loss.item(), dense_loss.item()),
-        "logits": (model.full_logits(ids), dense(ids)),
+        "logits": logits,
+        "eval_logits": eval_logits,
         "grads": (
             model.gather_state_dict(grads=True),
             {n: p.grad for n, p in dense.named_parameters()},
@@ -72,6 +76,9 @@ def test_tp_gpt_equals_dense(name, tp):
         tp_loss, dense_loss = r["loss"]
         assert tp_loss == pytest.approx(dense_loss, rel=1e-12, abs=0), f"rank {rank} loss"
         torch.testing.assert_close(*r["logits"], rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(*r["eval_logits"], rtol=1e-10, atol=1e-12)
+        if config.dropout > 0:  # not vacuous: dropout changes the training-mode logits
+            assert (r["eval_logits"][1] - r["logits"][1]).abs().max() > 1e-3
         grads, dense_grads = r["grads"]
         assert grads.keys() == dense_grads.keys()
         for key in grads:

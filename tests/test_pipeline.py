@@ -148,11 +148,14 @@ def pipelined(config, layout, kind, m, chunks=1, b=2, s=7):
     return loss, grads, acts, res.events, res.peak_in_flight
 
 
-def check_against_dense(results, config, m):
+def check_against_dense(results, config, m, layout):
+    """results: one per rank, in rank order; every last-stage rank (and only those) has the loss."""
     ref_loss, ref = dense_grads(config, m)
     seen = {}
-    for loss, grads, *_ in results:
-        if loss is not None:
+    for rank, (loss, grads, *_) in enumerate(results):
+        last = layout.coords(rank)[1] == layout.pp - 1
+        assert (loss is not None) == last, (rank, loss)
+        if last:
             assert loss == pytest.approx(ref_loss, rel=1e-12)
         for name, g in grads.items():
             diff = (g - ref[name]).abs().max().item()
@@ -161,18 +164,21 @@ def check_against_dense(results, config, m):
     assert set(seen) == set(ref), set(ref) - set(seen)
 
 
+PP2 = Layout(1, 2, 1)
+
+
 def test_every_schedule_gives_the_dense_gradients_at_pp2():
     def worker():
         out = {}
         for config in (CONFIG, UNTIED):
             for kind, chunks, m in [("gpipe", 1, 3), ("1f1b", 1, 3), ("interleaved", 2, 4)]:
-                out[(config.norm, kind)] = pipelined(config, Layout(1, 2, 1), kind, m, chunks)
+                out[(config.norm, kind)] = pipelined(config, PP2, kind, m, chunks)
         return out
 
     results = launch(worker, 2)
     for config in (CONFIG, UNTIED):
         for kind, m in [("gpipe", 3), ("1f1b", 3), ("interleaved", 4)]:
-            check_against_dense([r[(config.norm, kind)] for r in results], config, m)
+            check_against_dense([r[(config.norm, kind)] for r in results], config, m, PP2)
     # the real runs' event logs: every forward before its backward, in-flight bounds
     for kind, m in [("gpipe", 3), ("1f1b", 3)]:
         for stage, r in enumerate(results):
@@ -184,17 +190,19 @@ def test_every_schedule_gives_the_dense_gradients_at_pp2():
 
 
 def test_pipeline_with_tp_and_four_stages():
+    runs = {  # key: (layout, schedule, micro-batches, chunks)
+        "tp2pp2": (Layout(2, 2, 1), "1f1b", 5, 1),
+        "pp4": (Layout(1, 4, 1), "1f1b", 6, 1),
+        "pp4-gpipe": (Layout(1, 4, 1), "gpipe", 2, 1),
+        "pp1-interleaved": (Layout(2, 1, 2), "interleaved", 2, 2),
+    }
+
     def worker():
-        return {
-            "tp2pp2": pipelined(CONFIG, Layout(2, 2, 1), "1f1b", 5),
-            "pp4": pipelined(CONFIG, Layout(1, 4, 1), "1f1b", 6),
-            "pp4-gpipe": pipelined(CONFIG, Layout(1, 4, 1), "gpipe", 2),
-            "pp1-interleaved": pipelined(CONFIG, Layout(2, 1, 2), "interleaved", 2, chunks=2),
-        }
+        return {key: pipelined(CONFIG, lay, kind, m, c) for key, (lay, kind, m, c) in runs.items()}
 
     results = launch(worker, 4)
-    for key, m in [("tp2pp2", 5), ("pp4", 6), ("pp4-gpipe", 2), ("pp1-interleaved", 2)]:
-        check_against_dense([r[key] for r in results], CONFIG, m)
+    for key, (lay, _, m, _) in runs.items():
+        check_against_dense([r[key] for r in results], CONFIG, m, lay)
     peaks = [r["pp4"][-1] for r in results]
     assert peaks == [4, 3, 2, 1]  # 1F1B: p - s activations in flight, not m = 6
 

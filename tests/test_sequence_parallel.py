@@ -248,11 +248,13 @@ def mlp_contract():
     return out
 
 
-def test_sequence_parallel_mlp_contract():
-    t = 2
+@pytest.mark.parametrize("t", [2, 4])
+def test_sequence_parallel_mlp_contract(t):
     for results in launch(mlp_contract, t):
         for act, (fwd, bwd, calls) in results.items():
-            assert fwd < 1e-12 and bwd < 1e-12, f"{act}: forward {fwd:.1e}, backward {bwd:.1e}"
+            assert fwd < 1e-12 and bwd < 1e-12, (
+                f"t={t} {act}: forward {fwd:.1e}, backward {bwd:.1e}"
+            )
             n = 3 * 2 * t * 10  # b·s·H of the full sequence
             # forward: g (all-gather), ḡ (reduce-scatter); backward: ḡ's all-gather, then
             # all_gather_linear's re-gather and reduce-scatter (one for gate and up together)
@@ -262,4 +264,4 @@ def test_sequence_parallel_mlp_contract():
                 ("all_gather", "backward", n),
                 ("all_gather", "backward", n),
                 ("reduce_scatter", "backward", n),
-            ], f"{act}: {calls}"
+            ], f"t={t} {act}: {calls}"

@@ -3,7 +3,8 @@
 Loss and gradient: float64; the parallel loss sums exp() per shard and then across ranks (a
 reordered sum) and subtracts the max before the target logit, so it agrees with
 F.cross_entropy to ~1e-15 relative; 1e-12 absolute on losses of ~log(V) ≈ 4-11.
-Argmax and sampling pick integers from the same float values: exact.
+Argmax and sampling pick integers from the same float values: exact. That the dense sampler
+draws from softmax(z / T) is checked statistically (test_sample_follows_softmax).
 """
 
 import pytest
@@ -137,7 +138,10 @@ def _sample_worker(logits, vocab):
         "argmax": vocab_parallel_argmax(shard, vocab),
         "dense_argmax": logits.argmax(-1),
     }  # fmt: skip
-    for name, kw in {"t1": {}, "t07k5": {"temperature": 0.7, "top_k": 5}, "t0": {"temperature": 0}}.items():  # fmt: skip
+    # top_k 20 > the shard width at tp 2 (15) and 4 (8): the shards' top-ks are padded with -inf
+    kws = {"t1": {}, "t07k5": {"temperature": 0.7, "top_k": 5}, "k20": {"top_k": 20},
+           "t0": {"temperature": 0}}  # fmt: skip
+    for name, kw in kws.items():
         draws, dense = [], []
         for seed in range(20):
             draws.append(
@@ -148,24 +152,54 @@ def _sample_worker(logits, vocab):
     return out
 
 
-def test_argmax_and_sampling_agree_with_dense():
-    vocab = 29
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_argmax_and_sampling_agree_with_dense(tp):
+    vocab = 29  # prime: tp 2 -> shards of 15, tp 4 -> 8 (the last rank: 5 ids and 3 padding)
     gen = torch.Generator().manual_seed(4)
     logits = torch.randn(4, 6, vocab, generator=gen, dtype=torch.float64)
     logits[0, 0, 3] = logits[0, 0, 20] = 50.0  # a tie across ranks: the lower id must win
-    results = tpedu.launch(_sample_worker, 2, logits, vocab)
+    results = tpedu.launch(_sample_worker, tp, logits, vocab)
     for r, out in enumerate(results):
         assert out["gathered"] == 0.0
         assert torch.equal(out["argmax"], out["dense_argmax"]), f"rank {r}"
         assert out["argmax"][0, 0].item() == 3
-        for name in ("t1", "t07k5", "t0"):
+        for name in ("t1", "t07k5", "k20", "t0"):
             par, dense = out[name]
             assert torch.equal(par, dense), f"rank {r} {name}: {int((par != dense).sum())} differ"
-    # the seed's trap: each rank's own argmax is its best token, not the model's
-    wrong = [(out["shard_argmax"] != out["dense_argmax"]).sum().item() for out in results]
-    assert all(w > 0 for w in wrong), wrong
+    if tp > 1:  # the seed's trap: each rank's own argmax is its best token, not the model's
+        wrong = [(out["shard_argmax"] != out["dense_argmax"]).sum().item() for out in results]
+        assert all(w > 0 for w in wrong), wrong
     # sampling is really random (different seeds, different tokens) and top-k really filters
     par, _ = results[0]["t1"]
     assert len(set(par[:, 1, 2].tolist())) > 3
     top5 = logits.topk(5, dim=-1).indices
     assert (results[0]["t07k5"][0][..., None] == top5).any(-1).all()
+
+
+def test_sample_follows_softmax():
+    """`sample` draws from softmax(z / T); with top_k, from the k largest logits renormalised and
+    never from the others. The tests above compare the parallel sampler with `sample` draw by
+    draw (same noise); this checks the noise itself.
+
+    N draws of one row of logits in a single seeded call (deterministic). Each token's count is
+    binomial(N, p): its frequency has standard deviation sqrt(p(1 - p) / N) (<= 0.0035 here). We
+    require every frequency within 5 standard deviations of p: a correct sampler exceeds that with
+    probability ~6e-7 per token (normal tail), while wrong noise (uniform, or a wrong temperature)
+    is off by tens of standard deviations.
+    """
+    vocab, n = 29, 20_000
+    z = torch.randn(vocab, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    for temperature, top_k in ((1.0, None), (0.7, 5), (2.0, 20)):
+        g = torch.Generator().manual_seed(6)
+        draws = sample(z.expand(n, vocab), g, temperature=temperature, top_k=top_k)
+        freq = torch.bincount(draws, minlength=vocab).double() / n
+        want = z / temperature
+        if top_k is not None:
+            want = want.masked_fill(want < want.topk(top_k).values[-1], float("-inf"))
+        want = want.softmax(-1)
+        kept = want > 0
+        assert int(kept.sum()) == (top_k or vocab)
+        assert (freq[~kept] == 0).all(), f"T={temperature}, top_k={top_k}: drew a filtered token"
+        p = want[kept]
+        err = ((freq[kept] - p).abs() / (p * (1 - p) / n).sqrt()).max().item()
+        assert err < 5, f"T={temperature}, top_k={top_k}: a frequency is {err:.1f} std from p"

@@ -137,3 +137,51 @@ def _reuse_worker() -> list[str]:
 def test_reused_tensor_gets_the_dense_gradient() -> None:
     """f on a tensor reused across calls and steps all-reduces each use exactly once."""
     _check(_reuse_worker, (2, 3))
+
+
+def _shared_grad_worker() -> list[str]:
+    m = implementation(NAME)
+    r, t = dist.get_rank(), dist.get_world_size()
+    x = ints(600).requires_grad_()
+    h = 2 * x
+    # A residual around f: the Add node hands the SAME gradient tensor to f's backward and to
+    # the replicated branch h, so an f that all-reduces that tensor in place corrupts h's share.
+    g = ints(700)  # the same on every rank
+    ((m.CopyToTPRegion.apply(h, None) + h) * (r + 1) * g).sum().backward()
+    ranks = sum(q + 1 for q in range(t))
+    want = 2 * g * (ranks + (r + 1))  # f's share summed over ranks + this rank's own residual
+    if x.grad is None or not torch.equal(x.grad, want):
+        return [
+            "gradient through f plus a residual is wrong: "
+            f"{_diff(x.grad, want)}; all-reduce a clone of grad, never grad itself in place"
+        ]
+    return []
+
+
+def test_gradient_shared_with_a_residual_is_not_modified() -> None:
+    """z = (f(h) + h)·(r+1): f's backward must leave the gradient the residual also reads."""
+    _check(_shared_grad_worker, (2, 3))
+
+
+def _group_worker() -> list[str]:
+    m = implementation(NAME)
+    r = dist.get_rank()
+    # Every rank must create every group, in the same order.
+    groups = {0: dist.new_group([0, 2]), 1: dist.new_group([1, 3])}
+    group, members = groups[r % 2], [r % 2, r % 2 + 2]
+    bad = []
+    x = ints(800).requires_grad_()
+    (m.CopyToTPRegion.apply(x, group) * ints(900 + r)).sum().backward()
+    want = sum(ints(900 + q) for q in members)
+    if x.grad is None or not torch.equal(x.grad, want):
+        bad.append(f"f's backward must sum over the group {members} only: {_diff(x.grad, want)}")
+    y = m.ReduceFromTPRegion.apply(ints(1000 + r), group)
+    want = sum(ints(1000 + q) for q in members)
+    if not torch.equal(y, want):
+        bad.append(f"f̄'s forward must sum over the group {members} only: {_diff(y, want)}")
+    return bad
+
+
+def test_group_argument_limits_the_sum() -> None:
+    """On groups {0, 2} and {1, 3} of 4 ranks, f and f̄ sum over their own group's members."""
+    _check(_group_worker, (4,))

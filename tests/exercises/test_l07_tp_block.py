@@ -3,7 +3,8 @@
 Every rank builds the same DenseBlock (float64, dropout 0.1 on, random norm weights so swapping
 norm1 and norm2 shows), shards it with the learner's TPBlock, and runs one forward and backward
 with the same input and output gradient. Compared with the DenseBlock: the output, dL/dx, and
-every parameter gradient in the dense layout (gathered through the tpedu layers' helpers).
+every parameter gradient in the dense layout (gathered through the tpedu layers' helpers); then
+the output in eval mode (.eval(): no dropout anywhere).
 
 Tolerance 1e-11 absolute: in float64 the only differences are sums reordered by the row-parallel
 all-reduces (≈1e-16 relative each) on values of magnitude <= ~50; a missing dropout, a wrong
@@ -74,10 +75,14 @@ def _worker(config: GPTConfig, step: int) -> dict:
         yt = block(xt, step)
         (yt * dy).sum().backward()
     block.attn.allreduce_replicated_kv_grads()  # GQA with tp > n_kv_heads: replicas' partials
+    with torch.no_grad():  # eval mode: every dropout (attention, its output, MLP) switches off
+        ye = dense.eval()(x, step)
+        yte = block.eval()(x, step)
 
     diffs = {
         "output": (yt - yd).abs().max().item(),
         "dL/dx": (xt.grad - xd.grad).abs().max().item(),
+        "eval-mode output": (yte - ye).abs().max().item(),
     }
     tp_grads = _tp_grads(block)
     if tp_grads.keys() != dense_grads.keys():
@@ -89,17 +94,21 @@ def _worker(config: GPTConfig, step: int) -> dict:
         "params": sum(p.numel() for p in block.parameters()),
         "dense_params": sum(p.numel() for p in dense.parameters()),
         "tp": dist.get_world_size(),
+        "dropout_changes_output": (ye - yd).abs().max().item(),
     }
 
 
 def _check_equal(config: GPTConfig, tp: int) -> list[dict]:
     out = tpedu.launch(_worker, tp, config, 3)
     for rank, r in enumerate(out):
-        worst = max(r["diffs"], key=r["diffs"].get)
-        assert r["diffs"][worst] < TOL, (
-            f"tp={tp} rank {rank}: max |tp - dense| of {worst} = {r['diffs'][worst]:.3e} "
-            f"(tolerance {TOL:.0e})"
+        bad = {k: d for k, d in r["diffs"].items() if not d < TOL}  # NaN fails too
+        assert not bad, (
+            f"tp={tp} rank {rank}: max |tp - dense| "
+            + ", ".join(f"of {k} = {d:.3e}" for k, d in bad.items())
+            + f" (tolerance {TOL:.0e})"
         )
+        # not vacuous: the training-mode output has dropout, the eval-mode one does not
+        assert r["dropout_changes_output"] > 1e-3
     return out
 
 

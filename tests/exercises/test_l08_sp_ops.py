@@ -112,21 +112,72 @@ def test_reduce_scatter_sums_and_shards() -> None:
 
 
 def _dim_worker() -> list[str]:
-    """The sequence dimension is an argument: dim 0 of a [s, b·H] tensor, dim -1 of [.., s]."""
+    """The sequence dimension is an argument: dim 0 of a [s, b·H] tensor, dim -1 of [b, H, s],
+    forward and backward (dim -1 of a 3-D tensor is not the default dim 1)."""
     m = implementation(NAME)
     t, r = dist.get_world_size(), dist.get_rank()
+    own = slice(r * N, (r + 1) * N)
     shards = [ints(60 + i, (N, 4)) for i in range(t)]
-    y = m.gather_from_sequence_parallel_region(shards[r], None, 0)
+    grads = [ints(65 + i, (N * t, 4)) for i in range(t)]  # each rank's partial gradient
+    x = shards[r].clone().requires_grad_()
+    y = m.gather_from_sequence_parallel_region(x, None, 0)
+    y.backward(grads[r])
     bad = _diff("gather dim=0", y, torch.cat(shards, dim=0))
-    partial = [ints(70 + i, (2, N * t)) for i in range(t)]
-    z = m.reduce_scatter_to_sequence_parallel_region(partial[r], None, -1)
-    bad += _diff("reduce_scatter dim=-1", z, sum(partial)[:, r * N : (r + 1) * N])
-    w = m.scatter_to_sequence_parallel_region(partial[0], None, -1)
-    return bad + _diff("scatter dim=-1", w, partial[0][:, r * N : (r + 1) * N])
+    bad += _diff("gather dim=0 backward (reduce-scatter dim 0)", x.grad, sum(grads)[own])
+    partial = [ints(70 + i, (2, 3, N * t)) for i in range(t)]
+    grads = [ints(75 + i, (2, 3, N)) for i in range(t)]
+    x = partial[r].clone().requires_grad_()
+    z = m.reduce_scatter_to_sequence_parallel_region(x, None, -1)
+    z.backward(grads[r])
+    bad += _diff("reduce_scatter dim=-1", z, sum(partial)[..., own])
+    bad += _diff("reduce_scatter dim=-1 backward (all-gather dim -1)", x.grad,
+                 torch.cat(grads, dim=-1))  # fmt: skip
+    x = partial[0].clone().requires_grad_()
+    w = m.scatter_to_sequence_parallel_region(x, None, -1)
+    w.backward(grads[r])
+    bad += _diff("scatter dim=-1", w, partial[0][..., own])
+    return bad + _diff("scatter dim=-1 backward (all-gather dim -1)", x.grad,
+                       torch.cat(grads, dim=-1))  # fmt: skip
 
 
 def test_any_sequence_dimension() -> None:
-    _check(_dim_worker)
+    _check(_dim_worker, (2, 3, 4))
+
+
+def _group_worker() -> list[str]:
+    m = implementation(NAME)
+    rank = dist.get_rank()
+    # Every rank must create every group, in the same order.
+    groups = {0: dist.new_group([0, 2]), 1: dist.new_group([1, 3])}
+    group, members = groups[rank % 2], [rank % 2, rank % 2 + 2]
+    r, t = dist.get_rank(group), dist.get_world_size(group)
+    n = 4 * N // t  # s = 4N divides by 4 too: a learner who ignores group gets wrong values
+    own = slice(r * n, (r + 1) * n)
+    x = ints(0, (B, n * t, H))  # the same on every rank
+    bad = _diff("scatter (own chunk by group rank)",
+                m.scatter_to_sequence_parallel_region(x, group), x[:, own])  # fmt: skip
+    shards = {q: ints(90 + q, (B, n, H)) for q in members}
+    grads = {q: ints(100 + q, (B, n * t, H)) for q in members}
+    x = shards[rank].clone().requires_grad_()
+    y = m.gather_from_sequence_parallel_region(x, group)
+    bad += _diff("gather over the group", y, torch.cat([shards[q] for q in members], dim=1))
+    if y.shape == grads[rank].shape:  # else backward() would raise before any message
+        y.backward(grads[rank])
+        bad += _diff("gather backward (reduce-scatter over the group)", x.grad,
+                     sum(grads.values())[:, own])  # fmt: skip
+    partial = {q: ints(110 + q, (B, n * t, H)) for q in members}
+    z = m.reduce_scatter_to_sequence_parallel_region(partial[rank], group)
+    bad += _diff("reduce_scatter over the group", z, sum(partial.values())[:, own])
+    p = torch.nn.Parameter(torch.zeros(5, dtype=torch.float64))
+    p.grad = ints(120 + rank, (5,))
+    m.allreduce_sequence_parallel_grads([p], group)
+    return bad + _diff("gradient all-reduce over the group", p.grad,
+                       sum(ints(120 + q, (5,)) for q in members))  # fmt: skip
+
+
+def test_group_argument() -> None:
+    """On groups {0, 2} and {1, 3} of 4 ranks every operator shards and sums within its group."""
+    _check(_group_worker, (4,))
 
 
 def _grads_worker() -> list[str]:

@@ -67,3 +67,29 @@ def test_allreduce_bucket_averages_with_one_all_reduce():
                 assert o.shape == w.shape
                 diff = (o - w).abs().max().item()
                 assert diff <= 1e-15 * w.abs().max().item(), f"max |got - mean| = {diff:.2e}"
+
+
+def test_allreduce_bucket_averages_over_its_group_only():
+    """On groups {0, 2} and {1, 3} of 4 ranks: the mean over the group's 2 members."""
+    shapes = [(3, 5), (7,)]
+
+    def data(rank):
+        g = torch.Generator().manual_seed(rank + 1)
+        return [torch.randint(-50, 50, s, generator=g).double() for s in shapes]
+
+    def worker():
+        rank = dist.get_rank()
+        # Every rank must create every group, in the same order.
+        groups = {0: dist.new_group([0, 2]), 1: dist.new_group([1, 3])}
+        grads = [x.to(tpedu.device()) for x in data(rank)]
+        return implementation(NAME).allreduce_bucket(grads, groups[rank % 2])
+
+    for rank, out in enumerate(tpedu.launch(worker, 4, timeout=30)):
+        members = [rank % 2, rank % 2 + 2]
+        want = [(a + b) / 2 for a, b in zip(*(data(q) for q in members), strict=True)]
+        for o, w in zip(out, want, strict=True):
+            assert o.shape == w.shape
+            diff = (o.cpu() - w).abs().max().item()
+            assert diff <= 1e-15 * w.abs().max().item(), (
+                f"rank {rank}: max |got - mean over {members}| = {diff:.2e}"
+            )

@@ -113,3 +113,37 @@ def test_one_f_one_b_runs_without_deadlock():
         plans = [[tuple(a) for a in m.one_f_one_b(mb, p, s)] for s in range(p)]
         simulate(plans)  # raises "the schedules deadlock" if the sends and receives mismatch
         assert [peak_in_flight(a) for a in plans] == [min(mb, p - s) for s in range(p)]
+
+
+def _group_worker(full, vocab):
+    m = implementation(NAME)
+    rank = dist.get_rank()
+    # Every rank must create every group, in the same order.
+    groups = {0: dist.new_group([0, 2]), 1: dist.new_group([1, 3])}
+    group, k = groups[rank % 2], rank % 2
+    t, r = dist.get_world_size(group), dist.get_rank(group)
+    x = torch.ones(4, dtype=torch.float64, device=tpedu.device(), requires_grad=True)
+    (m.copy_to_tp_region(x, group) * (rank + 1)).sum().backward()
+    logits = full[k].to(tpedu.device())  # this group's logits
+    n = -(-vocab // t)
+    padded = torch.cat([logits, logits.new_full((*logits.shape[:-1], n * t - vocab), 1e4)], -1)
+    ids = m.vocab_parallel_argmax(padded[..., r * n : (r + 1) * n].contiguous(), vocab, group)
+    return x.grad, ids
+
+
+def test_group_argument():
+    """On groups {0, 2} and {1, 3} of 4 ranks: f sums the gradient over the group only, and the
+    argmax is the one of the group's own logits."""
+    g = torch.Generator().manual_seed(3)
+    vocab = 37
+    full = torch.randn(2, 4, 6, vocab, generator=g, dtype=torch.float64)  # one batch per group
+    for rank, (grad, ids) in enumerate(tpedu.launch(_group_worker, 4, full, vocab)):
+        members = [rank % 2, rank % 2 + 2]
+        want = sum(q + 1 for q in members)  # integers: exact
+        assert torch.equal(grad, torch.full((4,), float(want), dtype=torch.float64)), (
+            f"rank {rank}: f's backward gave {grad.tolist()}, the sum over {members} is {want}"
+        )
+        wrong = int((ids != full[rank % 2].argmax(-1)).sum())
+        assert wrong == 0, (
+            f"rank {rank}: {wrong} of {ids.numel()} ids differ from the group's dense argmax"
+        )
