@@ -36,7 +36,7 @@ format: $(STAMP)
 
 # The whole suite: package tests, exercise tests against solutions/, every notebook under nbval.
 test: lint
-	TPEDU_IMPL=solutions $(PY) -m pytest --nbval --nbval-current-env --nbval-cell-timeout=600 \
+	TPEDU_IMPL=solutions TPEDU_BACKEND=$${TPEDU_BACKEND:-gloo} $(PY) -m pytest --nbval --nbval-current-env --nbval-cell-timeout=600 \
 		--nbval-sanitize-with nbval_sanitize.cfg \
 		-p no:cacheprovider tests notebooks
 
