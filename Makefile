@@ -41,7 +41,7 @@ test: lint
 		-p no:cacheprovider tests notebooks
 
 grade: $(STAMP)
-	$(PY) -m tpedu.grading exercises
+	$(PY) -m tpedu.course.grading exercises
 
 # Re-execute every notebook in place (against solutions/) so the stored outputs are current.
 notebooks: $(STAMP)

@@ -40,8 +40,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import loss_parallel
 
 import tpedu
-from tpedu.collectives import CompletedWork
-from tpedu.model import TPGPT, DenseGPT, GPTConfig
+from tpedu.comm.collectives import CompletedWork
+from tpedu.model.config import GPTConfig
+from tpedu.model.dense import DenseGPT
+from tpedu.model.gpt import TPGPT
 
 
 def copy_dense(gpt: GPT, dense: DenseGPT) -> None:

@@ -4,12 +4,12 @@
     .venv/bin/python benchmarks/bench_overlap.py --dp 2 [--buckets 16384 65536 262144] [--reps 9]
 
 TP: a stack of Megatron MLPs (column fc1 -> GELU -> row fc2), forward + backward, with fc1
-either tpedu.layers.column_parallel_linear (f, then F.linear: nothing overlaps) or
-tpedu.overlap.linear_with_async_grad_allreduce (all-reduce of dL/dx issued before dL/dW).
+either tpedu.tp.layers.column_parallel_linear (f, then F.linear: nothing overlaps) or
+tpedu.tp.overlap.linear_with_async_grad_allreduce (all-reduce of dL/dx issued before dL/dW).
 
 DP: the benchmark model (harness.CONFIG, dense) on dp ranks, the global batch harness.BATCH
 split over them; forward + backward + gradient averaging, three ways on identical weights:
-"after" = backward, then tpedu.data_parallel.allreduce_grads (one blocking all-reduce per
+"after" = backward, then tpedu.parallel.data_parallel.allreduce_grads (one blocking all-reduce per
 parameter: no overlap, no buckets); "bucketed" = backward, then DataParallel's buckets
 all-reduced (the same messages as overlapped, launched only after backward); "overlap" =
 DataParallel: each bucket's async all-reduce launched from the backward hooks as soon as its
@@ -29,12 +29,13 @@ import torch.nn.functional as F
 from harness import BACKEND, BATCH, CONFIG, TINY, batch, interleaved, load, timed_communication
 
 import tpedu
-from tpedu.data_parallel import DataParallel, allreduce_grads
-from tpedu.layers import column_parallel_linear, row_parallel_linear
-from tpedu.model import DenseGPT, GPTConfig
-from tpedu.overlap import linear_with_async_grad_allreduce
-from tpedu.sharding import shard
-from tpedu.tracer import CommTracer
+from tpedu.comm.tracer import CommTracer
+from tpedu.model.config import GPTConfig
+from tpedu.model.dense import DenseGPT
+from tpedu.parallel.data_parallel import DataParallel, allreduce_grads
+from tpedu.tp.layers import column_parallel_linear, row_parallel_linear
+from tpedu.tp.overlap import linear_with_async_grad_allreduce
+from tpedu.tp.sharding import shard
 
 
 def worker(reps: int, tokens: int, hidden: int, layers: int) -> dict:

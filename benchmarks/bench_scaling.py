@@ -32,27 +32,22 @@ import torch.distributed as dist
 from harness import BACKEND, BATCH, CONFIG, TINY, batch, load, timed_communication
 
 import tpedu
-from tpedu.cost_model import AlphaBeta, fit, measure
-from tpedu.data_parallel import DataParallel
-from tpedu.mesh import Layout, Mesh
-from tpedu.model import DenseGPT, GPTConfig
-from tpedu.pipeline import (
+from tpedu.comm.cost_model import AlphaBeta, fit, measure
+from tpedu.comm.tracer import CommTracer
+from tpedu.model.config import GPTConfig
+from tpedu.model.dense import DenseGPT
+from tpedu.parallel.data_parallel import DataParallel
+from tpedu.parallel.mesh import Layout, Mesh
+from tpedu.parallel.pipeline.runtime import Pipe, build_stage_chunks
+from tpedu.parallel.pipeline.schedules import (
     Event,
-    Pipe,
     bubble_formula,
     bubble_fraction,
-    build_stage_chunks,
     partition,
     schedule,
     stage_layers,
 )
-from tpedu.tracer import CommTracer
-from tpedu.train import (
-    TrainConfig,
-    default_micro_batches,
-    make_optimizer,
-    step_3d,
-)
+from tpedu.train.loop import TrainConfig, default_micro_batches, make_optimizer, step_3d
 
 FIT_SIZES = (4096, 65536, 1 << 20, 4 << 20)
 DEFAULT_LAYOUTS = ["1x1x1", "2x1x1", "1x2x1", "1x1x2", "2x2x1", "2x1x2", "1x2x2"]

@@ -25,7 +25,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from tpedu.model import GPTConfig
+from tpedu.model.config import GPTConfig
 
 
 class Block(nn.Module):

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from tpedu.model import GPTConfig
+from tpedu.model.config import GPTConfig
 
 # The benchmark model: 4 layers, d 256, 8 heads, vocab 8192, seq 256 (batch 8, fp32).
 # Untied embeddings: DTensor's plan shards the embedding and the head differently.

@@ -22,7 +22,8 @@ from torch.distributed.tensor.parallel import loss_parallel
 from torch.profiler import ProfilerActivity, profile
 
 import tpedu
-from tpedu.model import TPGPT, DenseGPT
+from tpedu.model.dense import DenseGPT
+from tpedu.model.gpt import TPGPT
 
 
 def worker(rows: int) -> dict[str, str]:

@@ -1,13 +1,13 @@
 """Lesson 02 exercise: a ring all-reduce from point-to-point messages.
 
 Write the two phases, then combine them. Use only `C.isend` / `C.irecv` (or `C.send` / `C.recv`)
-from tpedu.collectives, so the tracer can count your bytes; no `dist.all_reduce`.
+from tpedu.comm.collectives, so the tracer can count your bytes; no `dist.all_reduce`.
 
 The ring: t ranks of `group`, group-local rank r sends to (r+1) % t and receives from (r-1) % t.
 send/recv take *global* ranks: translate with `dist.get_global_rank(group, r)` (group=None is the
 world group: local == global).
 
-    python -m tpedu.grading        # or: make grade
+    python -m tpedu.course.grading        # or: make grade
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from tpedu import collectives as C
+from tpedu.comm import collectives as C
 
 
 def ring_reduce_scatter(chunks: list[torch.Tensor], group: dist.ProcessGroup | None = None) -> None:

@@ -5,10 +5,10 @@
     f̄  = ReduceFromTPRegion    all-reduce (sum)     identity
 
 Both are called as `CopyToTPRegion.apply(x, group)` (group None = all ranks). Communicate only
-through `tpedu.collectives` (C.all_reduce, in place) so the tracer sees your collectives, and
+through `tpedu.comm.collectives` (C.all_reduce, in place) so the tracer sees your collectives, and
 never with `x.register_hook(...)`: lesson 03 shows why hooks give wrong gradients.
 
-    python -m tpedu.grading        # or: make grade
+    python -m tpedu.course.grading        # or: make grade
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tpedu import collectives as C
+from tpedu.comm import collectives as C
 
 
 class CopyToTPRegion(torch.autograd.Function):

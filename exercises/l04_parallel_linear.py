@@ -4,11 +4,11 @@ Weights use nn.Linear's layout, weight [out, in], y = x·Wᵀ + b. With t = tp s
 - column parallel: rank r holds rows [r·out/t, (r+1)·out/t) of W and the same slice of b;
 - row parallel: rank r holds columns [r·in/t, (r+1)·in/t) of W and the FULL bias.
 
-Use the conjugate operators from lesson 03 (tpedu.tp_ops: copy_to_tp_region,
+Use the conjugate operators from lesson 03 (tpedu.tp.operators: copy_to_tp_region,
 reduce_from_tp_region, gather_from_tp_region) so backward is right and the tracer sees the
 communication; F.linear does the local matmul.
 
-    python -m tpedu.grading        # or: make grade
+    python -m tpedu.course.grading        # or: make grade
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tpedu.tp_ops import copy_to_tp_region, gather_from_tp_region, reduce_from_tp_region
+from tpedu.tp.operators import copy_to_tp_region, gather_from_tp_region, reduce_from_tp_region
 
 
 def column_parallel_linear(

@@ -10,12 +10,12 @@ all-reduces of one number per token are enough (notebook 06 derives them):
     S   = sum over the vocabulary of exp(z - m)             all-reduce (sum)
     loss = log S + m - z_y
 
-Communicate only through tpedu.collectives (so the tests' tracer sees it):
-    from tpedu import collectives
+Communicate only through tpedu.comm.collectives (so the tests' tracer sees it):
+    from tpedu.comm import collectives
     collectives.all_reduce(x, group, op=dist.ReduceOp.MAX)    # in place, returns x
 
 Fill in both functions, then run `make grade`. Only the forward is graded (your version need
-not be differentiable). The reference is tpedu/vocab_parallel.py.
+not be differentiable). The reference is tpedu/tp/vocab_parallel.py.
 """
 
 from __future__ import annotations

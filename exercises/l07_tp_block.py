@@ -1,6 +1,6 @@
 """Exercise l07: assemble a tensor-parallel transformer block from tpedu's layers (seed §4.3).
 
-`tpedu.model.DenseBlock` is a pre-norm block (LayerNorm or RMSNorm, dropout as `index_dropout`):
+`tpedu.model.dense.DenseBlock` is a pre-norm block (LayerNorm or RMSNorm, dropout as `index_dropout`):
 
     x -> x + drop(attn(norm1(x)))        (attention's out projection: 1 all-reduce forward)
       -> x + mlp(norm2(x))               (the MLP drops its own output; fc2: 1 all-reduce forward)
@@ -8,20 +8,20 @@
 Its tensor-parallel version replaces the parts, nothing else (seed §4.3: "替换零件"):
 
     norm1, norm2   replicated: a COPY on every rank (copy.deepcopy), never the dense module itself
-    attn           tpedu.attention.ParallelAttention.from_dense(dense.attn, group)
-    mlp            tpedu.mlp.ParallelMLP.from_dense(dense.mlp, group)
+    attn           tpedu.tp.attention.ParallelAttention.from_dense(dense.attn, group)
+    mlp            tpedu.tp.mlp.ParallelMLP.from_dense(dense.mlp, group)
 
 The residual stream x [b, s, H] stays full and identical on every rank, so the block adds no
 communication of its own: exactly 2 all-reduces of b·s·H forward and 2 backward, all inside the
 layers. Dropout after attention must use the dense block's mask (same seed, step and call site):
 
-    from tpedu.dropout import derive_seed, index_dropout
-    from tpedu.model import ATTENTION_OUTPUT_DROPOUT_SITE
+    from tpedu.tp.dropout import derive_seed, index_dropout
+    from tpedu.model.dense import ATTENTION_OUTPUT_DROPOUT_SITE
     seed = derive_seed(dense.seed, ATTENTION_OUTPUT_DROPOUT_SITE, step)
     index_dropout(a, dense.p, seed, training=self.training)    # the full tensor: offsets 0
 
 Keep the attribute names norm1, norm2, attn, mlp, seed, p: the tests read the gradients through
-them. Fill in both methods, then run `make grade`. The reference is tpedu/model.py (TPBlock).
+them. Fill in both methods, then run `make grade`. The reference is tpedu/model/ (TPBlock).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tpedu.model import DenseBlock
+from tpedu.model.dense import DenseBlock
 
 
 class TPBlock(nn.Module):

@@ -3,7 +3,7 @@
 Activations are [b, s, H]; with t ranks in the group, rank r holds positions [r·s/t, (r+1)·s/t)
 of the sequence dimension (`dim`, default 1). Write each operator as a torch.autograd.Function
 (forward and backward conjugate) and return `YourFunction.apply(...)` from the function. Use
-tpedu.collectives (all_gather, reduce_scatter, all_reduce: they take `dim`) so the tracer sees
+tpedu.comm.collectives (all_gather, reduce_scatter, all_reduce: they take `dim`) so the tracer sees
 every byte. Then run `make grade`; notebooks/08_sequence_parallelism.ipynb uses them through
 `pick("l08_sp_ops")`.
 """

@@ -1,6 +1,6 @@
 """Lesson 10 exercise: the 1F1B pipeline schedule.
 
-Run `make grade` (or `python -m tpedu.grading exercises l10_one_f_one_b`) to check your work.
+Run `make grade` (or `python -m tpedu.course.grading exercises l10_one_f_one_b`) to check your work.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Lesson 11 exercise: gradient buckets for data parallelism.
 
-Run `make grade` (or `python -m tpedu.grading exercises l11_bucketed_allreduce`) to check.
+Run `make grade` (or `python -m tpedu.course.grading exercises l11_bucketed_allreduce`) to check.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def allreduce_bucket(grads: Sequence[torch.Tensor],
     """Average tensors of any shapes over `group` with exactly ONE all-reduce.
 
     Flatten them into one buffer (torch.cat of .reshape(-1)), call
-    `tpedu.collectives.all_reduce(buffer, group)` once, divide by the group size, and return the
+    `tpedu.comm.collectives.all_reduce(buffer, group)` once, divide by the group size, and return the
     buffer cut back into tensors of the original shapes, in order. The inputs stay unchanged.
     """
     raise NotImplementedError(

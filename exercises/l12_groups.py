@@ -1,6 +1,6 @@
 """Lesson 12 exercise: the process groups of a 3D (tp, pp, dp) layout.
 
-Run `make grade` (or `python -m tpedu.grading exercises l12_groups`) to check your work.
+Run `make grade` (or `python -m tpedu.course.grading exercises l12_groups`) to check your work.
 """
 
 from __future__ import annotations

@@ -2,19 +2,19 @@
 another tp size: the heart of every "change the TP size of my checkpoint" script (seed 002 §5.4:
 write the conversion script before you need it).
 
-Shards come in rank order (shards[r] is rank r's tensor). The layouts (tpedu/layers.py,
-tpedu/attention.py):
+Shards come in rank order (shards[r] is rank r's tensor). The layouts (tpedu/tp/layers.py,
+tpedu/tp/attention.py):
 
     column-parallel  dense [out, in]  -> rank r: rows    [r·out/t, (r+1)·out/t)   [out/t, in]
                      (a column-parallel bias [out] -> [out/t] likewise)
     row-parallel     dense [out, in]  -> rank r: columns [r·in/t, (r+1)·in/t)     [out, in/t]
     fused QKV        dense [(nq + 2·nkv)·d, H], rows | q0 .. q(nq-1) | k0 .. | v0 .. | (d each)
                      -> rank r: [its q heads | its k heads | its v heads], see
-                        tpedu.attention.split_qkv / local_heads / qkv_rows. With GQA and
+                        tpedu.tp.attention.split_qkv / local_heads / qkv_rows. With GQA and
                         tp > nkv every rank keeps a replica of one KV head.
 
-Fill in the four functions, then run `make grade`. The reference is tpedu/reshard.py; you may use
-tpedu.attention (local_heads, qkv_rows, split_qkv) but not tpedu.reshard.
+Fill in the four functions, then run `make grade`. The reference is tpedu/checkpoint/rules.py; you may use
+tpedu.tp.attention (local_heads, qkv_rows, split_qkv) but not tpedu.checkpoint.rules.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def merge_qkv(shards: list[torch.Tensor], n_heads: int, n_kv_heads: int) -> torc
     """
     raise NotImplementedError(
         "hint: make an empty dense tensor, then for each rank write its shard into the rows "
-        "tpedu.attention.qkv_rows(n_heads, n_kv_heads, d, tp, rank) names"
+        "tpedu.tp.attention.qkv_rows(n_heads, n_kv_heads, d, tp, rank) names"
     )
 
 
@@ -50,7 +50,7 @@ def reshard(shards: list[torch.Tensor], kind: str, new_tp: int, n_heads: int | N
     """Shards at tp = len(shards) -> the list of `new_tp` shards of the same dense weight.
 
     kind: "column", "row" or "qkv" (n_heads, n_kv_heads given). The new shards must be exactly
-    what a model built at new_tp holds (for qkv: tpedu.attention.split_qkv).
+    what a model built at new_tp holds (for qkv: tpedu.tp.attention.split_qkv).
     """
     raise NotImplementedError(
         "hint: merge with the function for `kind`, then cut the dense tensor for new_tp "

@@ -1,11 +1,11 @@
-"""Exercise l15: the bug hunt. Each function below has a broken twin in tpedu/bugzoo.py.
+"""Exercise l15: the bug hunt. Each function below has a broken twin in tpedu/course/bugzoo.py.
 
 Notebook 15 runs each broken variant and shows its symptom (a loss that differs from tp=1, a
 gradient table with a few red rows, tokens that differ per rank, a hang). For each one: find the
 bug in the broken twin (its source is printed in the notebook, and marked `# BUG` in
-tpedu/bugzoo.py, but try first from the symptom alone), then write the FIXED function here.
+tpedu/course/bugzoo.py, but try first from the symptom alone), then write the FIXED function here.
 
-Communicate only through tpedu.collectives (so the tests' tracer sees it). Run `make grade`.
+Communicate only through tpedu.comm.collectives (so the tests' tracer sees it). Run `make grade`.
 The references are in tpedu/ (tp_ops.py, vocab_parallel.py, attention.py, mesh.py,
 pipeline.py); the solutions re-export them.
 """

@@ -1,6 +1,6 @@
 """Reference for exercises/l00_memory_ledger.py."""
 
-# the reference lives in tpedu/memory.py
-from tpedu.memory import embedding_bytes, gpt_params, training_bytes
+# the reference lives in tpedu/analysis/memory.py
+from tpedu.analysis.memory import embedding_bytes, gpt_params, training_bytes
 
 __all__ = ["embedding_bytes", "gpt_params", "training_bytes"]

@@ -1,6 +1,6 @@
 """Lesson 02 reference: the ring all-reduce."""
 
-from tpedu.ring import (  # the reference lives in tpedu/ring.py
+from tpedu.comm.ring import (  # the reference lives in tpedu/comm/ring.py
     ring_all_gather,
     ring_all_reduce,
     ring_reduce_scatter,

@@ -1,6 +1,6 @@
 """Lesson 03 reference: the conjugate operators f and f̄."""
 
-from tpedu.tp_ops import (  # the reference lives in tpedu/tp_ops.py
+from tpedu.tp.operators import (  # the reference lives in tpedu/tp/operators.py
     CopyToTPRegion,
     ReduceFromTPRegion,
 )

@@ -1,6 +1,6 @@
 """Lesson 04 reference: column- and row-parallel linear forward, given the shards."""
 
-from tpedu.layers import (  # the reference lives in tpedu/layers.py
+from tpedu.tp.layers import (  # the reference lives in tpedu/tp/layers.py
     column_parallel_linear,
     row_parallel_linear,
 )

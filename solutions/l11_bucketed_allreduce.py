@@ -1,8 +1,8 @@
 """Reference for exercises/l11_bucketed_allreduce.py."""
 
-from tpedu.data_parallel import (
+from tpedu.parallel.data_parallel import (  # the reference: tpedu/parallel/data_parallel.py
     allreduce_bucket,
     assign_buckets,
-)  # the reference: tpedu/data_parallel.py
+)
 
 __all__ = ["allreduce_bucket", "assign_buckets"]

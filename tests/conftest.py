@@ -2,7 +2,7 @@ import os
 
 import pytest
 
-# Exercise tests read TPEDU_IMPL through tpedu.grading.implementation; default to the reference.
+# Exercise tests read TPEDU_IMPL through tpedu.course.grading.implementation; default to the reference.
 os.environ.setdefault("TPEDU_IMPL", "solutions")
 # The suite runs its ranks on gloo on every machine, GPU nodes included: its tests build CPU
 # tensors and some check gloo's own behaviour, and the notebooks' stored outputs come from CPU

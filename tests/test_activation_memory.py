@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from tpedu import launch
-from tpedu.activation_memory import (
+from tpedu.analysis.activation_memory import (
     SavedTensorCounter,
     Shape,
     formula_bytes,
@@ -17,7 +17,7 @@ from tpedu.activation_memory import (
     measure_rows,
     paper_terms,
 )
-from tpedu.memory import activation_bytes_per_layer
+from tpedu.analysis.memory import activation_bytes_per_layer
 
 # Uneven: s, b, h, a all different, a·s/h not an integer; t = 1, 2, 3 divide s and a.
 S, B, H, A = 12, 3, 48, 6
@@ -54,7 +54,7 @@ def test_measured_equals_formula_plus_known_extras(t):
 @pytest.mark.parametrize("sp", [False, True])
 @pytest.mark.parametrize("recompute", ["none", "selective", "full"])
 def test_paper_terms_sum_to_the_table(t, sp, recompute):
-    """The category split adds up to tpedu.memory's formula (the paper's Table 2)."""
+    """The category split adds up to tpedu.analysis.memory's formula (the paper's Table 2)."""
     shape = Shape(2048, 4, 4096, 32, t, sp, recompute)
     assert sum(paper_terms(shape).values()) == pytest.approx(
         activation_bytes_per_layer(2048, 4, 4096, 32, t, sp, recompute), rel=1e-15
@@ -99,9 +99,9 @@ def test_bad_shapes_are_clear_errors():
 def test_calculator_overlay_draws_measured_activations_over_the_prediction(monkeypatch):
     import matplotlib.pyplot as plt
 
-    from tpedu.activation_memory import calculator_overlay
-    from tpedu.calculator import memory_calculator
-    from tpedu.memory import GB
+    from tpedu.analysis.activation_memory import calculator_overlay
+    from tpedu.analysis.calculator import memory_calculator
+    from tpedu.analysis.memory import GB
 
     calc = memory_calculator(on_measure=calculator_overlay).calculator
     calc.tp.value, calc.sp.value = 2, True

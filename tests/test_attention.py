@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import tpedu
-from tpedu.attention import ParallelAttention, check_heads, local_heads, qkv_rows, split_qkv
-from tpedu.dense import DenseAttention
-from tpedu.tracer import CommTracer
+from tpedu.comm.tracer import CommTracer
+from tpedu.tp.attention import ParallelAttention, check_heads, local_heads, qkv_rows, split_qkv
+from tpedu.tp.dense import DenseAttention
 
 TOL = 1e-12
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import tpedu
-from tpedu.mesh import Layout
-from tpedu.model import DenseGPT
-from tpedu.train import default_micro_batches
+from tpedu.model.dense import DenseGPT
+from tpedu.parallel.mesh import Layout
+from tpedu.train.loop import default_micro_batches
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 

@@ -7,8 +7,13 @@ failed on tpedu would be a false alarm. Both directions are asserted for every b
 import pytest
 import torch
 
-from tpedu import attention, launch, mesh, model, pipeline, tp_ops, vocab_parallel
-from tpedu.bugzoo import BUGS, broken, catalogue, run_check
+from tpedu import launch, model
+from tpedu.course.bugzoo import BUGS, broken, catalogue, run_check
+from tpedu.model import gpt
+from tpedu.parallel import mesh, pipeline
+from tpedu.parallel.pipeline import schedules
+from tpedu.tp import attention, vocab_parallel
+from tpedu.tp import operators as tp_ops
 
 
 def _zoo_worker(names):
@@ -53,15 +58,15 @@ def test_patches_are_undone_and_names_checked():
         return [
             tp_ops.CopyToTPRegion.__dict__["backward"],
             tp_ops.ReduceFromTPRegion.__dict__["forward"],
-            model.allreduce_sequence_parallel_grads,
+            gpt.allreduce_sequence_parallel_grads,
             vocab_parallel._mask_padding,
             vocab_parallel.vocab_parallel_argmax,
             attention.split_qkv,
             attention.local_heads,
             attention.ParallelAttention.allreduce_replicated_kv_grads,
             mesh.Layout.tp_groups,
-            pipeline.one_f_one_b,
-            model.index_dropout,
+            schedules.one_f_one_b,
+            gpt.index_dropout,
         ]
 
     originals = current()

@@ -20,10 +20,13 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 from tpedu import checkpoint, launch
-from tpedu.checkpoint import CheckpointError
+from tpedu.checkpoint import sharded
+from tpedu.checkpoint.files import CheckpointError
 from tpedu.launcher import RankError
-from tpedu.model import TPGPT, DenseGPT, GPTConfig
-from tpedu.train import TrainConfig, train, train_3d
+from tpedu.model.config import GPTConfig
+from tpedu.model.dense import DenseGPT
+from tpedu.model.gpt import TPGPT
+from tpedu.train.loop import TrainConfig, train, train_3d
 
 V = 41  # prime: the vocab-parallel table is padded at tp = 2 (42 rows) and 4 (44)
 # Tied embeddings (+ the last stage's copy at pp > 1), biases, learned positions, and GQA with a
@@ -210,7 +213,7 @@ def _save_twice_crash_second(root, crash):
     model = TPGPT(DenseGPT(CONFIG))
     checkpoint.save(root, model, None, 1)
     if dist.get_rank() == 1:
-        real = checkpoint._write_bytes
+        real = sharded._write_bytes
 
         def half(path, data):
             real(path, data[: len(data) // 2])  # a partial file on disk ...
@@ -218,7 +221,7 @@ def _save_twice_crash_second(root, crash):
                 os._exit(3)  # ... and the process dies (kill -9, OOM, node loss)
             raise OSError(28, "No space left on device")
 
-        checkpoint._write_bytes = half
+        sharded._write_bytes = half  # the shard writer's own reference
     with torch.no_grad():
         model.blocks[0].attn.qkv_weight.add_(1.0)
     checkpoint.save(root, model, None, 2)
@@ -344,7 +347,7 @@ def test_export_dense_and_hf_and_import(grid, tmp_path):
 
 
 def test_cli_reshard(grid, tmp_path, capsys):
-    from tpedu.__main__ import main
+    from tpedu.cli.commands import main
 
     src = grid[0] / f"src{GRID[0]}"
     assert main(["reshard", str(src), "--tp", "2", "--pp", "2", "--out", str(tmp_path / "r")]) == 0
@@ -365,7 +368,7 @@ def test_cli_reshard(grid, tmp_path, capsys):
 def test_cli_train_resume_at_another_layout(tmp_path, capsys):
     """`train --tp 2 --ckpt-dir` then `train --tp 1 --pp 2 --resume`: the resumed losses continue
     the uninterrupted run's (float32 CLI training: reordered sums, ~1e-7 relative per step)."""
-    from tpedu.__main__ import main
+    from tpedu.cli.commands import main
 
     small = ["--layers", "2", "--hidden", "32", "--heads", "4", "--seq", "16", "--batch", "4",
              "--steps", "4", "--eval-every", "0"]  # fmt: skip

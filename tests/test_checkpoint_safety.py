@@ -14,8 +14,9 @@ import torch
 from safetensors.torch import save_file
 
 from tpedu import checkpoint
-from tpedu.checkpoint import CheckpointError
-from tpedu.model import DenseGPT, GPTConfig
+from tpedu.checkpoint.files import CheckpointError
+from tpedu.model.config import GPTConfig
+from tpedu.model.dense import DenseGPT
 
 CONFIG = GPTConfig.gpt2_like(41, seq_len=8, n_layers=2, hidden=16, n_heads=2)
 

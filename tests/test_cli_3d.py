@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from tpedu.__main__ import main
+from tpedu.cli.commands import main
 from tpedu.launcher import free_port
 
 SMALL = ["--layers", "2", "--hidden", "32", "--heads", "4", "--seq", "16", "--batch", "4",

@@ -13,8 +13,10 @@ from safetensors.torch import save_file
 
 from tests.test_cli_3d import tpedu  # runs the CLI in this process: (exit code, stdout, stderr)
 from tpedu import checkpoint, launch
-from tpedu.model import DenseGPT, GPTConfig
-from tpedu.train import generate, novel_data
+from tpedu.model.config import GPTConfig
+from tpedu.model.dense import DenseGPT
+from tpedu.train.data.corpus import novel_data
+from tpedu.train.generate import generate
 
 TINY = ["--layers", "1", "--hidden", "32", "--heads", "2", "--seq", "16", "--batch", "2",
         "--steps", "1"]  # fmt: skip

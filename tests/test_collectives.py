@@ -5,9 +5,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tpedu import collectives as C
 from tpedu import launch
-from tpedu.tracer import CommTracer, phase
+from tpedu.comm import collectives as C
+from tpedu.comm.tracer import CommTracer, phase
 
 
 def rank_input(rank, shape):

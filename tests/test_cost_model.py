@@ -2,8 +2,8 @@
 
 import pytest
 
-from tpedu import cost_model as cm
 from tpedu import launch
+from tpedu.comm import cost_model as cm
 
 
 @pytest.mark.parametrize("t", [2, 3, 4, 8])

@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from tpedu import launch
-from tpedu.data_parallel import DataParallel, ZeRO1
-from tpedu.model import DenseGPT, GPTConfig
-from tpedu.tracer import CommTracer
+from tpedu.comm.tracer import CommTracer
+from tpedu.model.config import GPTConfig
+from tpedu.model.dense import DenseGPT
+from tpedu.parallel.data_parallel import DataParallel, ZeRO1
 
 CONFIG = GPTConfig.gpt2_like(29, seq_len=8, n_layers=2, hidden=12, n_heads=2)
 B, S = 3, 7  # per-rank batch, sequence

@@ -9,8 +9,8 @@ import torch.distributed as dist
 
 import tpedu
 from tpedu import launch
-from tpedu.collectives import all_gather
-from tpedu.dropout import (
+from tpedu.comm.collectives import all_gather
+from tpedu.tp.dropout import (
     ParallelDropout,
     derive_seed,
     global_index,

@@ -10,8 +10,13 @@ import torch
 import torch.nn.functional as F
 
 import tpedu
-from tpedu.embedding import ReplicatedEmbedding, VocabParallelEmbedding, padded_vocab, vocab_range
-from tpedu.tracer import CommTracer
+from tpedu.comm.tracer import CommTracer
+from tpedu.tp.embedding import (
+    ReplicatedEmbedding,
+    VocabParallelEmbedding,
+    padded_vocab,
+    vocab_range,
+)
 
 
 def test_padded_vocab_and_ranges():

@@ -8,13 +8,13 @@ import sys
 
 import pytest
 
-from tpedu import grading
+from tpedu.course import grading
 
 ROOT = grading.ROOT
 
 
 def grade(kind, *names):
-    p = subprocess.run([sys.executable, "-m", "tpedu.grading", kind, *names, "--json"], cwd=ROOT,
+    p = subprocess.run([sys.executable, "-m", "tpedu.course.grading", kind, *names, "--json"], cwd=ROOT,
                        capture_output=True, text=True, timeout=600)  # fmt: skip
     assert p.returncode == 0, p.stderr
     return {s["exercise"]: s for s in json.loads(p.stdout.strip().splitlines()[-1])}

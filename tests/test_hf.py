@@ -6,8 +6,10 @@ import pytest
 import torch
 import transformers
 
-from tpedu import hf, launch
-from tpedu.model import TPGPT, DenseGPT
+from tpedu import launch
+from tpedu.checkpoint import hf
+from tpedu.model.dense import DenseGPT
+from tpedu.model.gpt import TPGPT
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +53,7 @@ def test_export_round_trips_into_transformers(gpt2):
 
 
 def test_non_gpt2_configs_cannot_be_exported():
-    from tpedu.model import GPTConfig
+    from tpedu.model.config import GPTConfig
 
     with pytest.raises(ValueError, match="GPT-2 needs norm='layernorm'"):
         hf.state_to_hf({}, GPTConfig.llama_like(100))
@@ -61,7 +63,7 @@ def test_non_gpt2_configs_cannot_be_exported():
 def test_exported_config_token_ids_are_in_the_vocabulary(vocab):
     """A small vocabulary has no GPT-2 <|endoftext|> (50256): the ids are None, not out of range;
     GPT-2's own vocabulary keeps them."""
-    from tpedu.model import GPTConfig
+    from tpedu.model.config import GPTConfig
 
     config = GPTConfig.gpt2_like(vocab, seq_len=8, n_layers=1, hidden=16, n_heads=2)
     cfg = hf.hf_config(config)

@@ -21,9 +21,9 @@ from torch import nn
 
 import tpedu
 from tpedu import RankError, launch
-from tpedu.layers import ColumnParallelLinear, RowParallelLinear
-from tpedu.sharding import check_divisible, shard, unshard, valid_tp_sizes
-from tpedu.tracer import CommTracer
+from tpedu.comm.tracer import CommTracer
+from tpedu.tp.layers import ColumnParallelLinear, RowParallelLinear
+from tpedu.tp.sharding import check_divisible, shard, unshard, valid_tp_sizes
 
 IN, OUT, BATCH = 7, 12, (3, 5)  # 12 divides by 1, 2, 3, 4; 7 is odd
 SAME_MATH = 1e-13

@@ -1,4 +1,4 @@
-"""tpedu.matmul_split: column and row splits of Y = X·W on one process."""
+"""tpedu.tp.matmul_split: column and row splits of Y = X·W on one process."""
 
 import matplotlib
 
@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from matplotlib.patches import Rectangle
 
-from tpedu.matmul_split import (
+from tpedu.tp.matmul_split import (
     act_before_sum_wrong,
     column_parallel_matmul,
     draw_split,

@@ -1,4 +1,4 @@
-"""tpedu.memory: formulas against real torch models, and the ledger's division rules."""
+"""tpedu.analysis.memory: formulas against real torch models, and the ledger's division rules."""
 
 import math
 import random
@@ -7,7 +7,7 @@ import matplotlib
 import pytest
 import torch
 
-from tpedu.memory import (
+from tpedu.analysis.memory import (
     LedgerConfig,
     TinyGPT,
     activation_bytes_per_layer,
@@ -157,7 +157,7 @@ def test_bad_input_messages():
 
 
 def test_calculator_wires_widgets_to_ledger(capsys):
-    from tpedu.calculator import memory_calculator
+    from tpedu.analysis.calculator import memory_calculator
 
     calls = []
     box = memory_calculator(on_measure=lambda cfg, st: calls.append((cfg, st)) or "measured")

@@ -13,9 +13,9 @@ import torch
 
 import tpedu
 from tpedu import launch
-from tpedu.dense import DenseMLP
-from tpedu.mlp import ParallelMLP
-from tpedu.tracer import CommTracer
+from tpedu.comm.tracer import CommTracer
+from tpedu.tp.dense import DenseMLP
+from tpedu.tp.mlp import ParallelMLP
 
 H, F, B, S = 10, 24, 2, 5  # 24 divides by 1, 2, 3, 4
 TOL = 1e-12

@@ -11,8 +11,10 @@ import pytest
 import torch
 
 from tpedu import launch
-from tpedu.model import TPGPT, DenseGPT, GPTConfig
-from tpedu.tracer import CommTracer
+from tpedu.comm.tracer import CommTracer
+from tpedu.model.config import GPTConfig
+from tpedu.model.dense import DenseGPT
+from tpedu.model.gpt import TPGPT
 
 CONFIGS = {
     # vocab 37 is prime: padded at every tp > 1; dropout on everywhere.
@@ -147,7 +149,8 @@ def test_gradient_norm_counts_follow_the_model_to_its_device():
 
 
 def train_losses(config, steps):
-    from tpedu.train import TrainConfig, novel_data, train
+    from tpedu.train.data.corpus import novel_data
+    from tpedu.train.loop import TrainConfig, train
 
     _, train_ids, val_ids = novel_data("char")
     cfg = TrainConfig(steps=steps, batch=4, lr=3e-3, warmup=2, eval_every=0, progress=False)
@@ -161,7 +164,7 @@ def test_training_steps_match_on_the_novel():
     divides by sqrt(v), which amplifies tiny gradient differences early on, so losses agree to
     ~1e-5 relative after a few steps. A real bug (a missing all-reduce) shifts them by > 1e-2.
     """
-    from tpedu.train import novel_data
+    from tpedu.train.data.corpus import novel_data
 
     tok, _, _ = novel_data("char")
     config = GPTConfig.gpt2_like(tok.vocab_size, seq_len=32, n_layers=2, hidden=32, n_heads=4)

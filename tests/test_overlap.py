@@ -4,10 +4,10 @@ import torch
 import torch.distributed as dist
 
 from tpedu import launch
-from tpedu.layers import column_parallel_linear
-from tpedu.overlap import linear_with_async_grad_allreduce, record_events
-from tpedu.sharding import shard
-from tpedu.tracer import CommTracer
+from tpedu.comm.tracer import CommTracer
+from tpedu.tp.layers import column_parallel_linear
+from tpedu.tp.overlap import linear_with_async_grad_allreduce, record_events
+from tpedu.tp.sharding import shard
 
 
 def _worker():
@@ -78,7 +78,9 @@ def test_async_linear_is_bitwise_the_plain_layer_and_overlaps():
 
 
 def _model_worker(activation):
-    from tpedu.model import TPGPT, DenseGPT, GPTConfig
+    from tpedu.model.config import GPTConfig
+    from tpedu.model.dense import DenseGPT
+    from tpedu.model.gpt import TPGPT
 
     config = GPTConfig(37, seq_len=6, n_layers=2, hidden=16, n_heads=4, activation=activation,
                        dropout=0.1, tie_embeddings=False)  # fmt: skip

@@ -12,21 +12,19 @@ import torch
 
 from tpedu import launch
 from tpedu.launcher import LaunchTimeout, RankError
-from tpedu.mesh import Layout, Mesh
-from tpedu.model import DenseGPT, GPTConfig
-from tpedu.pipeline import (
-    Pipe,
+from tpedu.model.config import GPTConfig
+from tpedu.model.dense import DenseGPT
+from tpedu.parallel.mesh import Layout, Mesh
+from tpedu.parallel.pipeline.runtime import Pipe, build_stage_chunks, run_schedule, sync_tied_grads
+from tpedu.parallel.pipeline.schedules import (
     bubble_formula,
     bubble_fraction,
-    build_stage_chunks,
     head_cost,
     partition,
     peak_in_flight,
-    run_schedule,
     schedule,
     simulate,
     stage_layers,
-    sync_tied_grads,
 )
 
 

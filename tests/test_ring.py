@@ -1,4 +1,4 @@
-"""tpedu.ring: the send/recv ring all-reduce equals the library's all-reduce and moves 2(t-1)/t·n.
+"""tpedu.comm.ring: the send/recv ring all-reduce equals the library's all-reduce and moves 2(t-1)/t·n.
 
 Two kinds of data. Integer-valued float64 (|values| < 100): every partial sum is an exact integer,
 so any summation order gives the same bits and ring == library must hold exactly (0.0). Random
@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 
 import tpedu
-from tpedu.cost_model import ring_bytes
-from tpedu.ring import ring_all_gather, ring_all_reduce, ring_reduce_scatter
-from tpedu.tracer import CommTracer
+from tpedu.comm.ring import ring_all_gather, ring_all_reduce, ring_reduce_scatter
+from tpedu.comm.tracer import CommTracer
+from tpedu.comm.volumes import ring_bytes
 
 SHAPES = [(0,), (1,), (2,), (7,), (5, 3, 2), (13, 11)]
 EPS = torch.finfo(torch.float64).eps

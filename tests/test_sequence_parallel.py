@@ -1,4 +1,4 @@
-"""Sequence parallelism (tpedu/sequence_parallel.py and the model's switch) against the dense GPT.
+"""Sequence parallelism (tpedu/tp/sequence_parallel.py and the model's switch) against the dense GPT.
 
 Tolerances: float64; the only differences from the dense model are sums reordered by the
 reduce-scatters, the LayerNorm-gradient all-reduce and the row-parallel partial sums (≈1e-16
@@ -14,15 +14,17 @@ import torch._dynamo  # noqa: F401  (recompute's checkpoint imports it: once her
 import torch.distributed as dist
 
 from tpedu import launch
-from tpedu.model import TPGPT, DenseGPT, GPTConfig
-from tpedu.sequence_parallel import (
+from tpedu.comm.tracer import CommTracer
+from tpedu.model.config import GPTConfig
+from tpedu.model.dense import DenseGPT
+from tpedu.model.gpt import TPGPT
+from tpedu.tp.sequence_parallel import (
     all_gather_linear,
     allreduce_sequence_parallel_grads,
     check_sequence_length,
     sequence_chunk,
     sequence_parallel_params,
 )
-from tpedu.tracer import CommTracer
 
 BASE = {"seq_len": 12, "n_layers": 2, "n_heads": 4, "dropout": 0.1, "sequence_parallel": True}
 CONFIGS = {
@@ -222,8 +224,8 @@ def test_sequence_length_must_divide_tp():
 
 def mlp_contract():
     """ParallelMLP with sequence parallelism (GELU and SwiGLU, dropout on) against DenseMLP."""
-    from tpedu.dense import DenseMLP
-    from tpedu.mlp import ParallelMLP
+    from tpedu.tp.dense import DenseMLP
+    from tpedu.tp.mlp import ParallelMLP
 
     t = dist.get_world_size()
     out = {}

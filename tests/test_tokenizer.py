@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from tpedu import tokenizer
+from tpedu.train.data import tokenizer
 
 TEXT = "满纸荒唐言，一把辛酸泪。都云作者痴，谁解其中味？\n"
 

@@ -11,7 +11,8 @@ import torch.distributed as dist
 
 import tpedu
 from tpedu import RankError, launch
-from tpedu.tp_ops import (
+from tpedu.comm.tracer import CommTracer
+from tpedu.tp.operators import (
     CopyToTPRegion,
     ReduceFromTPRegion,
     copy_to_tp_region,
@@ -19,7 +20,6 @@ from tpedu.tp_ops import (
     reduce_from_tp_region,
     scatter_to_tp_region,
 )
-from tpedu.tracer import CommTracer
 
 SHAPE = (2, 3, 5)  # uneven, non-symmetric
 

@@ -18,8 +18,8 @@ from safetensors.torch import load_file
 
 from tpedu import launch
 from tpedu.launcher import RankError
-from tpedu.model import GPTConfig
-from tpedu.train import TrainConfig, train, train_3d
+from tpedu.model.config import GPTConfig
+from tpedu.train.loop import TrainConfig, train, train_3d
 
 V = 41
 CONFIG = GPTConfig.gpt2_like(V, seq_len=8, n_layers=2, hidden=16, n_heads=2)

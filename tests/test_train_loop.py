@@ -1,6 +1,6 @@
 """The training loop's own parts, against references outside tpedu: the learning-rate schedule by
 hand, clip_grads against torch.nn.utils.clip_grad_norm_, and train() at tp=1 and tp=2 against a
-hand-written DenseGPT + torch AdamW loop (the recipe of tpedu/train.py: the same batches, weight
+hand-written DenseGPT + torch AdamW loop (the recipe of tpedu/train/: the same batches, weight
 decay on matrices only, clipping by the global norm, warm-up then cosine).
 
 The other training tests compare tp=2 and train_3d runs with train() at tp=1: a bug in the loop
@@ -21,9 +21,10 @@ import torch
 from safetensors.torch import load_file
 
 from tpedu import launch
-from tpedu.batches import packed_batch
-from tpedu.model import DenseGPT, GPTConfig
-from tpedu.train import TrainConfig, clip_grads, lr_at, train
+from tpedu.model.config import GPTConfig
+from tpedu.model.dense import DenseGPT
+from tpedu.train.data.batches import packed_batch
+from tpedu.train.loop import TrainConfig, clip_grads, lr_at, train
 
 V = 41
 CONFIG = GPTConfig.gpt2_like(V, seq_len=8, n_layers=2, hidden=16, n_heads=2)

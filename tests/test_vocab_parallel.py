@@ -13,9 +13,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import tpedu
-from tpedu.embedding import padded_vocab, vocab_range
-from tpedu.tracer import CommTracer
-from tpedu.vocab_parallel import (
+from tpedu.comm.tracer import CommTracer
+from tpedu.tp.embedding import padded_vocab, vocab_range
+from tpedu.tp.vocab_parallel import (
     gather_logits,
     sample,
     vocab_parallel_argmax,

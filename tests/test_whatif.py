@@ -4,8 +4,7 @@ import re
 
 import pytest
 
-from tpedu.cost_model import AlphaBeta
-from tpedu.whatif import (
+from tpedu.analysis.whatif import (
     A100_SXM,
     H100_SXM,
     NARAYANAN_1T,
@@ -16,6 +15,7 @@ from tpedu.whatif import (
     published_comparison,
     tp_efficiency,
 )
+from tpedu.comm.cost_model import AlphaBeta
 
 GPT3 = ModelShape(layers=96, hidden=12288, heads=96, vocab=50257, seq=2048)
 SMALL = ModelShape(layers=6, hidden=384, heads=6, vocab=1000, seq=256, ffn=1000)

@@ -5,7 +5,7 @@ import random
 import torch
 import torch.nn as nn
 
-from tpedu.grading import implementation
+from tpedu.course.grading import implementation
 
 
 def real_gpt(

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from tpedu.grading import implementation
-from tpedu.matmul_split import ordered_matmul, rounding_bound
+from tpedu.course.grading import implementation
+from tpedu.tp.matmul_split import ordered_matmul, rounding_bound
 
 # W [in, out]: non-square, and uneven for 3 parts (20 = 7+7+6, 13 = 5+4+4, 7 = 3+2+2).
 SHAPES = [(5, 12, 20), (3, 7, 13)]

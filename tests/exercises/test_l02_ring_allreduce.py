@@ -11,9 +11,9 @@ import torch.distributed as dist
 
 import tpedu
 from tests.exercises import parity_group
-from tpedu.cost_model import ring_bytes
-from tpedu.grading import implementation
-from tpedu.tracer import CommTracer
+from tpedu.comm.tracer import CommTracer
+from tpedu.comm.volumes import ring_bytes
+from tpedu.course.grading import implementation
 
 NAME = "l02_ring_allreduce"
 EPS = torch.finfo(torch.float64).eps

@@ -9,8 +9,8 @@ import torch.distributed as dist
 
 import tpedu
 from tests.exercises import parity_group
-from tpedu.grading import implementation
-from tpedu.tracer import CommTracer
+from tpedu.comm.tracer import CommTracer
+from tpedu.course.grading import implementation
 
 NAME = "l03_conjugate_ops"
 SHAPE = (3, 2, 5)  # uneven

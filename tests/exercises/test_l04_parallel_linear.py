@@ -13,8 +13,8 @@ from torch import nn
 
 import tpedu
 from tests.exercises import parity_group
-from tpedu.grading import implementation
-from tpedu.tracer import CommTracer
+from tpedu.comm.tracer import CommTracer
+from tpedu.course.grading import implementation
 
 NAME = "l04_parallel_linear"
 TOL = 1e-12

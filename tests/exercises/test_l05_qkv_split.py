@@ -9,8 +9,8 @@ and the only difference is the order of that sum, so 1e-12 absolute on O(1) outp
 import pytest
 import torch
 
-from tpedu.dense import DenseAttention
-from tpedu.grading import implementation
+from tpedu.course.grading import implementation
+from tpedu.tp.dense import DenseAttention
 
 NAME = "l05_qkv_split"
 

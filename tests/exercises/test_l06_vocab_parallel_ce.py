@@ -12,8 +12,8 @@ import torch.nn.functional as F
 
 import tpedu
 from tests.exercises import parity_group
-from tpedu.grading import implementation
-from tpedu.tracer import CommTracer
+from tpedu.comm.tracer import CommTracer
+from tpedu.course.grading import implementation
 
 NAME = "l06_vocab_parallel_ce"
 

@@ -16,9 +16,10 @@ import torch
 import torch.distributed as dist
 
 import tpedu
-from tpedu.grading import implementation
-from tpedu.model import DenseBlock, GPTConfig
-from tpedu.tracer import CommTracer
+from tpedu.comm.tracer import CommTracer
+from tpedu.course.grading import implementation
+from tpedu.model.config import GPTConfig
+from tpedu.model.dense import DenseBlock
 
 NAME = "l07_tp_block"
 TOL = 1e-11

@@ -10,8 +10,8 @@ import torch.distributed as dist
 
 import tpedu
 from tests.exercises import parity_group
-from tpedu.grading import implementation
-from tpedu.tracer import CommTracer
+from tpedu.comm.tracer import CommTracer
+from tpedu.course.grading import implementation
 
 NAME = "l08_sp_ops"
 B, N, H = 2, 3, 5  # [b, s/t, H] per rank: s = 3t

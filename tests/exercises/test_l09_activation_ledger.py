@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from tpedu.grading import implementation
+from tpedu.course.grading import implementation
 
 NAME = "l09_activation_ledger"
 

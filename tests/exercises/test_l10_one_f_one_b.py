@@ -10,8 +10,13 @@ import pytest
 import torch
 
 import tpedu
-from tpedu.grading import implementation
-from tpedu.pipeline import bubble_formula, bubble_fraction, peak_in_flight, simulate
+from tpedu.course.grading import implementation
+from tpedu.parallel.pipeline.schedules import (
+    bubble_formula,
+    bubble_fraction,
+    peak_in_flight,
+    simulate,
+)
 
 NAME = "l10_one_f_one_b"
 
@@ -46,9 +51,15 @@ def test_invariants_bound_and_bubble(m, p):
 
 
 def test_runs_a_real_pipeline_with_dense_gradients():
-    from tpedu.mesh import Layout, Mesh
-    from tpedu.model import DenseGPT, GPTConfig
-    from tpedu.pipeline import Pipe, build_stage_chunks, run_schedule, sync_tied_grads
+    from tpedu.model.config import GPTConfig
+    from tpedu.model.dense import DenseGPT
+    from tpedu.parallel.mesh import Layout, Mesh
+    from tpedu.parallel.pipeline.runtime import (
+        Pipe,
+        build_stage_chunks,
+        run_schedule,
+        sync_tied_grads,
+    )
 
     config = GPTConfig.gpt2_like(23, seq_len=6, n_layers=3, hidden=8, n_heads=2)
     g = torch.Generator().manual_seed(5)

@@ -6,8 +6,8 @@ coordinate rule rank = tp_rank + tp·(pp_rank + pp·dp_rank).
 
 import pytest
 
-from tpedu.grading import implementation
-from tpedu.mesh import seed_tp_group
+from tpedu.course.grading import implementation
+from tpedu.parallel.mesh import seed_tp_group
 
 NAME = "l12_groups"
 

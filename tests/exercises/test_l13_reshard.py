@@ -2,7 +2,7 @@
 
 The expected shards are cut here by the model itself (ColumnParallelLinear, RowParallelLinear,
 ParallelAttention built on one process per simulated rank would need ranks, so they are cut with
-tpedu's sharding rules: torch.chunk and tpedu.attention.split_qkv). Merging and splitting only
+tpedu's sharding rules: torch.chunk and tpedu.tp.attention.split_qkv). Merging and splitting only
 move numbers, so every check is exact (torch.equal). Shapes are uneven and entries random, so
 concatenating along the wrong dim or in the wrong order cannot pass.
 """
@@ -10,8 +10,8 @@ concatenating along the wrong dim or in the wrong order cannot pass.
 import pytest
 import torch
 
-from tpedu.attention import split_qkv
-from tpedu.grading import implementation
+from tpedu.course.grading import implementation
+from tpedu.tp.attention import split_qkv
 
 NAME = "l13_reshard"
 

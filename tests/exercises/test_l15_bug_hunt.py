@@ -1,6 +1,6 @@
 """Grades exercises/l15_bug_hunt.py: the fixed twins of the bug zoo's broken functions.
 
-Each test would fail on the broken twin in tpedu/bugzoo.py (the bug zoo's own tests prove the
+Each test would fail on the broken twin in tpedu/course/bugzoo.py (the bug zoo's own tests prove the
 zoo's checks catch them; these check the learner's fixes directly). float64 throughout: a
 correct f gives dense's dL/dx up to reordered sums (~1e-16 relative), so 1e-12 absolute.
 """
@@ -11,9 +11,9 @@ import torch.nn.functional as F
 
 import tpedu
 from tests.exercises import parity_group
-from tpedu.grading import implementation
-from tpedu.pipeline import peak_in_flight, simulate
-from tpedu.tracer import CommTracer
+from tpedu.comm.tracer import CommTracer
+from tpedu.course.grading import implementation
+from tpedu.parallel.pipeline.schedules import peak_in_flight, simulate
 
 NAME = "l15_bug_hunt"
 

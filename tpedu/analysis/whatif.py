@@ -1,0 +1,328 @@
+"""Cluster what-if: step time and MFU of a GPT on real hardware, from FLOPs and the α-β model.
+
+    step = compute + TP communication + PP bubble + PP send/recv + (1 - overlap)·DP all-reduce
+
+compute      model FLOPs per GPU / (peak · efficiency). FLOPs per token (forward + backward):
+             6·N + 12·L·s·h, N = 12·L·h² + V·h (attention/MLP weights + embedding; norms and
+             biases ignored), the 12·L·s·h being q·kᵀ and probs·v (not in 6N: they have no
+             weights). With full recomputation every block's forward runs twice (the LM head's
+             does not): 8·N - 2·V·h + 16·L·s·h executed.
+TP           4 all-reduces of b·s·h elements per layer per micro-batch (2 forward, 2 backward);
+             sequence parallelism moves the same bytes. Priced by `Hardware.all_reduce`: a ring
+             on NVLink while the group fits in a node; across nodes, two levels (see below).
+PP           1F1B with v interleaved chunks and m micro-batches runs (v·m + pp - 1) slots of
+             the slowest stage's time per micro-batch: bubble = that - the average busy time,
+             i.e. (pp-1)/(v·m) of it for equal stages. Layers split evenly (Megatron's default),
+             so the last stage, which also runs the head (6·V·h FLOPs per token, `head_blocks`
+             blocks' worth), is the slowest. 2 sends of b·s·h per micro-batch and boundary.
+DP           1 all-reduce of the GPU's gradients (N/(tp·pp) elements) per step, overlapped with
+             backward by the fraction `dp_overlap`; its ranks are tp·pp GPUs apart.
+
+An all-reduce across nodes, with g of the group's ranks in each node: reduce-scatter inside the
+node (NVLink), all-reduce of each rank's 1/g shard across the nodes (every GPU on its own NIC),
+all-gather inside the node. The network carries nbytes/g per GPU, not nbytes: the node's g NICs
+work at once. NCCL's rings and trees reach about this by running one channel per NIC. A single
+ring over all ranks at one NIC's bandwidth would be ~g× too slow: it predicted a 32× drop of
+tokens/s/GPU from tp 2 to tp 32 where the Ultra-Scale Playbook measured 6.5×.
+
+Assumptions (stated, not hidden): one number for matmul efficiency (`efficiency`, the fraction
+of peak that the GEMMs reach; small GEMMs at large tp reach less, which this ignores), bf16
+activations and gradients (2 bytes), TP communication never overlapped, α-β ring collectives
+(tpedu.comm.cost_model) with the link bandwidth per GPU in ONE direction (NVLink 4: 900 GB/s is
+both directions together, 450 GB/s each way), bandwidth a NCCL ring actually reaches
+(`bus_efficiency`, ~0.8 of the link), one 400 Gb/s NIC per GPU, the two levels of a cross-node
+all-reduce not overlapped (NCCL pipelines them, so this errs on the slow side).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tpedu.comm.cost_model import AlphaBeta
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One GPU type and its links. Bandwidths: bytes/s per GPU, one direction."""
+
+    name: str
+    peak_flops: float  # dense bf16/fp16 tensor-core FLOP/s
+    intra_bw: float  # NVLink / NVSwitch (or PCIe) per GPU
+    inter_bw: float  # network per GPU (InfiniBand / RoCE)
+    gpus_per_node: int = 8
+    intra_alpha: float = 5e-6  # seconds per ring step (NCCL, NVLink)
+    inter_alpha: float = 10e-6
+    bus_efficiency: float = 0.8  # fraction of the link a ring all-reduce reaches
+
+    @property
+    def intra(self) -> AlphaBeta:
+        """α-β of a ring inside a node (NVLink / NVSwitch, or PCIe)."""
+        return AlphaBeta(self.intra_alpha, 1 / (self.intra_bw * self.bus_efficiency))
+
+    @property
+    def inter(self) -> AlphaBeta:
+        """α-β of a ring across nodes, one GPU per node on its own NIC."""
+        return AlphaBeta(self.inter_alpha, 1 / (self.inter_bw * self.bus_efficiency))
+
+    def link(self, group_span: int) -> AlphaBeta:
+        """α-β of a ring over `group_span` consecutive GPUs (inside one node or across)."""
+        return self.intra if group_span <= self.gpus_per_node else self.inter
+
+    def all_reduce(self, nbytes: float, ranks: int, stride: int = 1) -> float:
+        """Seconds to all-reduce `nbytes` over `ranks` GPUs, `stride` GPUs apart.
+
+        Inside one node: a ring on NVLink. Across nodes, with g = ranks per node: reduce-scatter
+        over the g (NVLink), all-reduce of nbytes/g across the nodes (each GPU's own NIC),
+        all-gather over the g. With g = 1 (stride >= GPUs per node), one ring on the network.
+        """
+        if ranks == 1:
+            return 0.0
+        per_node = max(1, min(ranks, self.gpus_per_node // stride))
+        nodes = -(-ranks // per_node)
+        if nodes == 1:
+            return self.intra.predict("all_reduce", nbytes, ranks)
+        t = self.inter.predict("all_reduce", nbytes / per_node, nodes)
+        if per_node > 1:
+            t += self.intra.predict("reduce_scatter", nbytes, per_node)
+            t += self.intra.predict("all_gather", nbytes, per_node)
+        return t
+
+
+GB = 1e9
+H100_SXM = Hardware("H100 SXM, NVLink 4, 400 Gb/s IB", 989e12, 450 * GB, 50 * GB)
+H100_PCIE = Hardware("H100 PCIe 5 (no NVLink), 400 Gb/s", 756e12, 64 * GB, 50 * GB)
+A100_SXM = Hardware("A100 SXM, NVLink 3, 200 Gb/s HDR IB", 312e12, 300 * GB, 25 * GB)
+# Megatron-LM 2019: DGX-2H, 16 V100 on NVSwitch, 8 × 100 Gb/s IB per 16 GPUs.
+V100_DGX2 = Hardware("V100 DGX-2H, NVSwitch, 8x100 Gb/s per node", 125e12, 150 * GB,
+                     6.25 * GB, gpus_per_node=16)  # fmt: skip
+HARDWARE = {"H100 SXM": H100_SXM, "H100 PCIe": H100_PCIE, "A100 SXM": A100_SXM,
+            "V100 DGX-2H": V100_DGX2}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A GPT's shape: layers L, hidden h, heads, vocabulary V, sequence s, FFN (default 4h)."""
+
+    layers: int
+    hidden: int
+    heads: int
+    vocab: int
+    seq: int
+    ffn: int | None = None
+
+    @property
+    def params(self) -> int:
+        """N = L·(4h² + 2·h·ffn) + V·h: weights of attention, MLP and the (tied) embedding."""
+        f = 4 * self.hidden if self.ffn is None else self.ffn
+        return self.layers * (4 * self.hidden**2 + 2 * self.hidden * f) + self.vocab * self.hidden
+
+    def head_blocks(self, recompute: bool = False) -> float:
+        """The LM head's training FLOPs per token in blocks: 6·V·h over a block's
+        6·(4h² + 2·h·ffn) + 12·s·h (× 8/6 with recomputation, which repeats the blocks' forward
+        but not the head's). `pipeline.head_cost` is the same ratio for a real GPTConfig, with
+        its exact q/k/v and MLP widths."""
+        f = 4 * self.hidden if self.ffn is None else self.ffn
+        block = 6 * (4 * self.hidden**2 + 2 * self.hidden * f) + 12 * self.seq * self.hidden
+        if recompute:
+            block *= 8 / 6
+        return 6 * self.vocab * self.hidden / block
+
+    def flops_per_token(self, recompute: bool = False) -> float:
+        """Training FLOPs per token: 6·N + 12·L·s·h. With full recomputation every block's
+        forward runs twice (+2·(N - V·h) + 4·L·s·h; the LM head is not recomputed), which is
+        Narayanan et al.'s 96·L·h²·(1 + s/(6h) + V/(16·L·h))."""
+        lsh = self.layers * self.seq * self.hidden
+        flops = 6 * self.params + 12 * lsh
+        if recompute:
+            flops += 2 * (self.params - self.vocab * self.hidden) + 4 * lsh
+        return flops
+
+
+@dataclass(frozen=True)
+class Parallel:
+    """Layout and batch: tp·pp·dp GPUs, `batch` sequences per step, micro-batches of `micro`."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    batch: int = 512
+    micro: int = 1
+    chunks: int = 1  # interleaved pipeline: virtual stages per GPU
+    recompute: bool = False
+    dp_overlap: float = 0.0  # fraction of the DP all-reduce hidden behind backward
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def n_micro(self) -> int:
+        """Micro-batches per pipeline per step: batch / (dp · micro)."""
+        if self.batch % (self.dp * self.micro):
+            raise ValueError(
+                f"batch {self.batch} is not divisible by dp·micro = {self.dp}·{self.micro}"
+            )
+        return self.batch // (self.dp * self.micro)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """Seconds per step, split by cause, and what they mean per GPU."""
+
+    compute: float
+    tp: float
+    bubble: float
+    pp: float
+    dp: float
+    model_flops: float  # 6N + attention, the whole step (MFU counts only these)
+    tokens: int
+    gpus: int
+    peak_flops: float
+
+    @property
+    def step(self) -> float:
+        return self.compute + self.tp + self.bubble + self.pp + self.dp
+
+    @property
+    def mfu(self) -> float:
+        """Model FLOPs utilisation: model FLOPs / (step · GPUs · peak)."""
+        return self.model_flops / (self.step * self.gpus * self.peak_flops)
+
+    @property
+    def tokens_per_gpu(self) -> float:
+        return self.tokens / self.step / self.gpus
+
+    def row(self) -> str:
+        ms = lambda x: f"{1e3 * x:9.1f}"  # noqa: E731
+        return (f"{ms(self.step)} {ms(self.compute)} {ms(self.tp)} {ms(self.bubble)} "
+                f"{ms(self.pp)} {ms(self.dp)} {100 * self.mfu:6.1f}% {self.tokens_per_gpu:10,.0f}")  # fmt: skip
+
+
+HEADER = (f"{'step ms':>9} {'compute':>9} {'TP':>9} {'bubble':>9} {'PP p2p':>9} {'DP':>9} "
+          f"{'MFU':>7} {'tok/s/GPU':>10}")  # fmt: skip
+
+
+def predict(
+    model: ModelShape,
+    par: Parallel,
+    hw: Hardware = H100_SXM,
+    efficiency: float = 0.7,
+    bytes_per_value: int = 2,
+) -> Prediction:
+    """Predicted step time of `model` under layout `par` on `hw` (see the module docstring)."""
+    if model.heads % par.tp:
+        raise ValueError(f"{model.heads} heads are not divisible by tp={par.tp}")
+    if model.layers % (par.pp * par.chunks):
+        raise ValueError(f"{model.layers} layers do not split into pp·chunks = "
+                         f"{par.pp}·{par.chunks} equal stages")  # fmt: skip
+    m = par.n_micro
+    tokens = par.batch * model.seq
+    model_flops = tokens * model.flops_per_token(recompute=False)
+    executed = tokens * model.flops_per_token(recompute=par.recompute)
+    compute = executed / par.gpus / (hw.peak_flops * efficiency)
+
+    act = par.micro * model.seq * model.hidden * bytes_per_value  # one [b, s, h] message
+    layers_here = model.layers // par.pp
+    passes = 6 if par.recompute else 4  # recomputation repeats the forward's 2 all-reduces
+    tp = m * passes * layers_here * hw.all_reduce(act, par.tp)
+
+    busy = compute + tp  # per GPU, on average
+    # The last stage's share of compute: its layers plus the head, against the average stage's.
+    head = model.head_blocks(par.recompute)
+    last = (model.layers + par.pp * head) / (model.layers + head)
+    slots = par.chunks * m + par.pp - 1
+    bubble = slots / (par.chunks * m) * (compute * last + tp) - busy
+    pp_link = hw.link(par.tp * par.pp)
+    pp = 0.0 if par.pp == 1 else 2 * m * par.chunks * pp_link.predict("send", act, 2)
+
+    grads = model.params / (par.tp * par.pp) * bytes_per_value
+    dp = (1 - par.dp_overlap) * hw.all_reduce(grads, par.dp, stride=par.tp * par.pp)
+    return Prediction(compute, tp, bubble, pp, dp, model_flops, tokens, par.gpus, hw.peak_flops)
+
+
+def tp_efficiency(model: ModelShape, tp: int, hw: Hardware = H100_SXM, batch: int = 32,
+                  efficiency: float = 0.7) -> float:  # fmt: skip
+    """Speed-up of tp GPUs over one, divided by tp (the seeds' "80-90% of linear")."""
+    one = predict(model, Parallel(batch=batch), hw, efficiency).step
+    return one / (tp * predict(model, Parallel(tp=tp, batch=batch), hw, efficiency).step)
+
+
+def table(rows: list[tuple[str, Prediction]]) -> str:
+    """Fixed-width table of predictions, one labelled row each."""
+    w = max(len(label) for label, _ in rows)
+    lines = [f"{'':<{w}} {HEADER}"]
+    lines += [f"{label:<{w}} {p.row()}" for label, p in rows]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------- published runs
+
+# Megatron-LM (Shoeybi et al. 2019), Table 1 / Fig. 1: 1.2B on 1 GPU = 39 TFLOP/s (30% of peak);
+# 8.3B with tp 8 × dp 64 on 512 GPUs: 15.1 PFLOP/s, 76% weak-scaling efficiency.
+MEGATRON_2019_SMALL = ModelShape(layers=40, hidden=1536, heads=16, vocab=51200, seq=1024)
+MEGATRON_2019_8B = ModelShape(layers=72, hidden=3072, heads=32, vocab=51200, seq=1024)
+# Narayanan et al. 2021, Table 1: 1T parameters, 3072 A100s, tp 8, pp 64, dp 6, batch 3072,
+# 163 TFLOP/s per GPU = 52% of peak (their FLOPs count the recomputation).
+NARAYANAN_1T = ModelShape(layers=128, hidden=25600, heads=160, vocab=51200, seq=2048)
+NARAYANAN_1T_LAYOUT = Parallel(tp=8, pp=64, dp=6, batch=3072, micro=1, chunks=1, recompute=True)
+
+
+def published_comparison(efficiency: float = 0.7) -> str:
+    """Predictions next to three published results (text table)."""
+    lines = []
+    # 1. Megatron 2019 weak scaling: calibrate efficiency on the 1-GPU run (30% of peak).
+    one = predict(MEGATRON_2019_SMALL, Parallel(batch=8, micro=8), V100_DGX2, efficiency=0.30)
+    big = predict(MEGATRON_2019_8B, Parallel(tp=8, dp=64, batch=512, micro=8), V100_DGX2,
+                  efficiency=0.30)  # fmt: skip
+    weak = (big.model_flops / big.step / 512) / (one.model_flops / one.step)
+    lines.append(f"Megatron-LM 2019, 8.3B on 512 V100 (tp 8 x dp 64): weak-scaling efficiency "
+                 f"predicted {100 * weak:.0f}%, published 76%")  # fmt: skip
+    # 2. Narayanan 2021: 1T on 3072 A100; FLOPs counted with recomputation, as the paper does.
+    p = predict(NARAYANAN_1T, NARAYANAN_1T_LAYOUT, A100_SXM, efficiency=efficiency)
+    hw_flops = p.model_flops * NARAYANAN_1T.flops_per_token(True) / NARAYANAN_1T.flops_per_token()
+    frac = hw_flops / (p.step * p.gpus * p.peak_flops)
+    lines.append(f"Narayanan 2021, 1T on 3072 A100 (tp 8, pp 64, dp 6): {100 * frac:.0f}% of "
+                 f"peak predicted, published 52%")  # fmt: skip
+    # 3. Ultra-Scale Playbook TP sweep (their model: ~8B Llama-like, seq 4096; an assumption).
+    llama8b = ModelShape(layers=32, hidden=4096, heads=32, vocab=128256, seq=4096, ffn=14336)
+    sweep = {t: predict(llama8b, Parallel(tp=t, batch=32, micro=1), H100_SXM, efficiency)
+             for t in (2, 32)}  # fmt: skip
+    lines.append(f"Ultra-Scale Playbook TP 2 -> 32: tokens/s/GPU drop x"
+                 f"{sweep[2].tokens_per_gpu / sweep[32].tokens_per_gpu:.1f} predicted, "
+                 f"published x{13923 / 2146:.1f} (13,923 -> 2,146)")  # fmt: skip
+    return "\n".join(lines)
+
+
+def widget(model: ModelShape | None = None):  # noqa: ANN201 - an ipywidgets box
+    """Sliders for tp, pp, dp, micro-batch and hardware; prints the prediction (notebook 14)."""
+    import ipywidgets as w
+    from IPython.display import display
+
+    model = model or ModelShape(layers=32, hidden=4096, heads=32, vocab=128256, seq=4096,
+                                ffn=14336)  # fmt: skip
+    pow2 = lambda hi: [2**i for i in range(hi)]  # noqa: E731
+    tp = w.SelectionSlider(options=pow2(7), value=8, description="tp")
+    pp = w.SelectionSlider(options=pow2(6), value=1, description="pp")
+    dp = w.SelectionSlider(options=pow2(10), value=16, description="dp")
+    hw = w.Dropdown(options=list(HARDWARE), value="H100 SXM", description="GPU")
+    eff = w.FloatSlider(value=0.7, min=0.3, max=0.9, step=0.05, description="GEMM eff.")
+    out = w.Output()
+
+    def show(_: object = None) -> None:
+        out.clear_output()
+        with out:
+            par = Parallel(tp=tp.value, pp=pp.value, dp=dp.value, batch=64 * dp.value)
+            try:
+                p = predict(model, par, HARDWARE[hw.value], eff.value)
+            except ValueError as e:
+                print(e)
+                return
+            print(f"{par.gpus} GPUs, global batch {par.batch} x {model.seq} tokens")
+            print(table([(f"tp {tp.value} pp {pp.value} dp {dp.value}", p)]))
+
+    for s in (tp, pp, dp, hw, eff):
+        s.observe(show, names="value")
+    show()
+    box = w.VBox([w.HBox([tp, pp, dp]), w.HBox([hw, eff]), out])
+    display(box)
+    return box

@@ -1,0 +1,226 @@
+"""TODO"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch._dynamo  # noqa: F401 - the optimizers import it (≈3-5 s): once here, not per forked rank
+import torch.distributed as dist
+from safetensors.torch import save_file
+
+import tpedu
+from tpedu.checkpoint.files import CheckpointError, _export_tmp, replace_dir
+from tpedu.checkpoint.rules import (
+    dense_shapes,
+    param_kind,
+    split_tensor,
+)
+from tpedu.checkpoint.sharded import (
+    FORMAT,
+    _finalize,
+    _prepare,
+    _Reader,
+    _write_shard,
+    read_config,
+    read_index,
+    resolve,
+)
+from tpedu.model.config import GPTConfig
+from tpedu.model.gpt import TPGPT
+from tpedu.parallel.pipeline.schedules import stage_layers, stage_of
+from tpedu.train.data import tokenizer
+
+
+def save_model(model: TPGPT, cfg: object, out: str | Path, tok: object | None) -> None:
+    """Gather the dense weights (collective) and write them atomically from rank 0."""
+    from tpedu.checkpoint.convert import DENSE_FORMAT
+    from tpedu.checkpoint.files import replace_dir
+
+    state = model.gather_state_dict()
+    if dist.get_rank() != 0:
+        return
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    save_file({k: v.contiguous().cpu() for k, v in state.items()}, tmp / "model.safetensors")
+    meta = {"model": model.config.to_dict(), "train": asdict(cfg), "format": DENSE_FORMAT}
+    (tmp / "config.json").write_text(json.dumps(meta, indent=2))
+    if tok is not None:
+        tok.save(tmp / "tokenizer.json")
+    replace_dir(tmp, out)  # the previous model stays complete until the new one is in place
+
+
+def load_model_files(path: str | Path) -> tuple[GPTConfig, dict[str, torch.Tensor], object]:
+    """(config, dense state dict, tokenizer) from a directory written by `save_model`, checked
+    (format, config, tensor names and shapes) by `checkpoint.read_model_dir`."""
+    from tpedu.checkpoint.convert import read_model_dir
+
+    path = Path(path)
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        if not (path / name).exists():
+            raise FileNotFoundError(
+                f"{path / name} is missing: is {path} a model saved by `tpedu train --out`?"
+            )
+    config, state = read_model_dir(path)
+    return config, state, tokenizer.load(path / "tokenizer.json")
+
+
+DENSE_FORMAT = "tpedu-dense-1"  # a dense model directory: `train --out`, export_dense
+
+
+def read_dense(
+    path: str | Path, verify: bool = True
+) -> tuple[GPTConfig, dict[str, torch.Tensor], dict]:
+    """(config, {key: dense tensor}, index) for every stored tensor: the parameters under their
+    DenseGPT names and the optimizer state as `exp_avg/<name>`, `exp_avg_sq/<name>`,
+    `step/<name>`. One process; memory: the whole model (and its optimizer state) once."""
+    step_dir, index = read_index(path)
+    config = read_config(step_dir)
+    reader = _Reader(step_dir, index, verify)
+    return config, {k: reader.dense(k, config) for k in index["tensors"]}, index
+
+
+def write_sharded(root: str | Path, config: GPTConfig, tensors: dict[str, torch.Tensor], step: int,
+                  tp: int = 1, pp: int = 1, dp: int = 1, zero1: bool = False,
+                  header: dict | None = None, tok: object | None = None) -> Path:  # fmt: skip
+    """Write dense `tensors` (parameters and `exp_avg/<name>`-style optimizer entries, as
+    read_dense returns them) as a checkpoint at layout (tp, pp, dp) under `root`, atomically,
+    from this one process. Each (tp rank, pp stage) gets one file, written as dp rank 0."""
+
+    config.check(tp)
+    stages = stage_layers(config, pp)  # raises if pp does not fit the layers
+    layout = {"tp": tp, "pp": pp, "dp": dp, "zero1": zero1,
+              "stages": [[r.start, r.stop] for r in stages]}  # fmt: skip
+    tmp = _prepare(Path(root), step)
+    for p in range(pp):
+        for t in range(tp):
+            out, kinds = {}, {}
+            for key, dense in tensors.items():
+                name = key.split("/", 1)[-1]
+                kind = param_kind(name, config) if dense.dim() else "replicated"
+                if stage_of(name, config, pp) != p or (kind == "replicated" and t):
+                    continue
+                out[key], kinds[key] = split_tensor(dense, kind, tp, t, config), kind
+            _write_shard(tmp, (t, p, 0), out, kinds)
+    head = dict(header or {})
+    head.update({"format": FORMAT, "tpedu_version": tpedu.__version__,
+                 "model": config.to_dict(), "layout": layout})  # fmt: skip
+    head.pop("files", None), head.pop("tensors", None)
+    return _finalize(Path(root), tmp, step, head, tok)
+
+
+def reshard(src: str | Path, dst: str | Path, tp: int = 1, pp: int = 1, dp: int = 1,
+            zero1: bool = False) -> Path:  # fmt: skip
+    """Rewrite checkpoint `src` (a step dir or a root) for layout (tp, pp, dp) under `dst`.
+
+    Parameters and optimizer state are merged to dense and re-split; step, data position and
+    the rest of the index are kept. One process, no ranks; memory: the whole model once.
+    """
+    config, tensors, index = read_dense(src)
+    tok = _tokenizer(resolve(src))
+    return write_sharded(dst, config, tensors, index["step"], tp, pp, dp, zero1, index, tok)
+
+
+def _tokenizer(step_dir: Path) -> object | None:
+    if not (step_dir / "tokenizer.json").exists():
+        return None
+    from tpedu.train.data import tokenizer
+
+    return tokenizer.load(step_dir / "tokenizer.json")
+
+
+def export_dense(src: str | Path, out: str | Path) -> Path:
+    """A checkpoint -> a dense model directory, the format of `train --out` (config.json,
+    model.safetensors, tokenizer.json if saved): `tpedu generate --model OUT` runs it."""
+    from safetensors.torch import save_file
+
+    config, tensors, index = read_dense(src)
+    state = {k: v.contiguous() for k, v in tensors.items() if "/" not in k}
+    out = Path(out)
+    tmp = _export_tmp(out)
+    save_file(state, tmp / "model.safetensors")
+    meta = {"model": config.to_dict(), "train": index.get("train"), "format": DENSE_FORMAT}
+    (tmp / "config.json").write_text(json.dumps(meta, indent=2))
+    tok = _tokenizer(resolve(src))
+    if tok is not None:
+        tok.save(tmp / "tokenizer.json")
+    replace_dir(tmp, out)
+    return out
+
+
+def read_model_dir(model_dir: str | Path) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
+    """(config, dense state dict) of a dense model directory (`train --out`, export_dense),
+    checked before use: config.json's format and config, and model.safetensors holding exactly
+    DenseGPT's keys at DenseGPT's shapes."""
+    from safetensors.torch import load_file
+
+    model_dir = Path(model_dir)
+    what = f"is {model_dir} a dense model directory (`tpedu train --out`, `reshard --to dense`)?"
+    for name in ("config.json", "model.safetensors"):
+        if not (model_dir / name).exists():
+            raise CheckpointError(f"{model_dir / name} is missing: {what}")
+    where = model_dir / "config.json"
+    try:
+        meta = json.loads(where.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{where} is not valid JSON ({e}); the file is corrupted") from None
+    meta = meta if isinstance(meta, dict) else {}
+    if meta.get("format") != DENSE_FORMAT:
+        hint = (" It is a Hugging Face config (e.g. from `reshard --to hf`): load it with "
+                "transformers, or convert it with tpedu.checkpoint.hf.config_from_hf and state_from_hf."
+                if "model_type" in meta else "")  # fmt: skip
+        raise CheckpointError(f"{where}: field 'format' is {meta.get('format')!r}, expected "
+                              f"{DENSE_FORMAT!r}: {what}{hint}")  # fmt: skip
+    if not isinstance(meta.get("model"), dict):
+        raise CheckpointError(f"{where} has no field 'model' (the GPTConfig); the file is damaged")
+    try:
+        config = GPTConfig(**meta["model"])
+        config.check()
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{where}: field 'model' is not a valid GPTConfig ({e})") from None
+    file = model_dir / "model.safetensors"
+    try:
+        state = load_file(file)
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own error type
+        raise CheckpointError(f"{file} cannot be read ({e}); the file is damaged") from None
+    shapes = dense_shapes(config)
+    wrong = [f"{k} {list(state[k].shape)} (config.json gives {list(shapes[k])})"
+             for k in sorted(set(state) & set(shapes)) if tuple(state[k].shape) != shapes[k]]  # fmt: skip
+    problems = [f"{len(keys)} {label}: {', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''}"
+                for label, keys in (("missing", sorted(set(shapes) - set(state))),
+                                    ("unexpected", sorted(set(state) - set(shapes))),
+                                    ("with the wrong shape", wrong)) if keys]  # fmt: skip
+    if problems:
+        raise CheckpointError(f"{file} does not hold the tensors of the model in config.json: "
+                              f"{'; '.join(problems)}")  # fmt: skip
+    return config, state
+
+
+def import_dense(model_dir: str | Path, dst: str | Path, tp: int = 1, pp: int = 1,
+                 dp: int = 1) -> Path:  # fmt: skip
+    """A dense model directory (`train --out`, export_dense) -> a sharded checkpoint at step 0
+    without optimizer state (so `train --resume` starts a fresh optimizer from these weights)."""
+    config, state = read_model_dir(model_dir)
+    return write_sharded(dst, config, state, 0, tp, pp, dp, tok=_tokenizer(model_dir))
+
+
+def export_hf(src: str | Path, out: str | Path) -> Path:
+    """A GPT-2-shaped checkpoint -> a Hugging Face directory (`GPT2LMHeadModel.from_pretrained`):
+    config.json and model.safetensors (tied lm_head omitted, as transformers saves it)."""
+    from safetensors.torch import save_file
+
+    from tpedu.checkpoint.hf import hf_config, state_to_hf
+
+    config, tensors, _ = read_dense(src)
+    state = state_to_hf({k: v for k, v in tensors.items() if "/" not in k}, config)
+    state.pop("lm_head.weight")  # tied to wte: transformers re-ties it on load
+    out = Path(out)
+    tmp = _export_tmp(out)
+    hf_config(config).save_pretrained(tmp)
+    save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
+    replace_dir(tmp, out)  # a failed export leaves the previous `out` as it was
+    return out

@@ -1,0 +1,543 @@
+"""Sharded, reshardable checkpoints (lesson 13): every rank saves only what it owns.
+
+A checkpoint is a directory per step, next to a `latest` pointer:
+
+    run/ckpt/
+      latest                      "step_00000200"  (written last: the newest complete step)
+      step_00000200/
+        index.json                config, layout, step, tokens seen, data position, and for every
+                                  tensor its global shape, dtype, sharding kind and its shards
+        tp0-pp0-dp0.safetensors   rank (tp 0, pp 0, dp 0)'s tensors: parameters and AdamW state
+        tp1-pp0-dp0.safetensors   ...
+        tokenizer.json            (if the run had one)
+
+Tensors are stored under their *dense* name (DenseGPT's state-dict key, blocks by global index)
+and sharded by kind, the same rules the model uses to build its shards:
+
+    kind        dense tensor          rank r of t keeps                     merge
+    replicated  any                   all of it (stored once, by tp rank 0) take it
+    column      [out, in] / [out]     rows [r·out/t, (r+1)·out/t)           cat along dim 0
+    row         [out, in]             columns [r·in/t, (r+1)·in/t)          cat along dim 1
+    qkv         [(nq+2·nkv)·d, ...]   its heads' q, k, v rows (split_qkv)   scatter rows back
+    vocab       [V, H]                rows of the table padded to Vp        cat, drop padding
+
+Optimizer state (AdamW's exp_avg, exp_avg_sq, step) is stored as `exp_avg/<name>` etc., sharded
+exactly like its parameter. Data-parallel replicas hold identical copies, so only dp rank 0
+writes parameters; with ZeRO-1 each dp rank writes the optimizer state it owns. On disk, then, a
+checkpoint depends only on (tp, pp): loading at any dp (ZeRO-1 or not) just reads the files,
+and each rank keeps the optimizer state of the parameters its optimizer manages.
+
+"RNG state": tpedu's dropout masks are a hash of (seed, layer, call site, step, element index)
+and batches come from a generator seeded by (seed, step), so after initialisation the training
+loop draws no random numbers: the step counter and the seeds (saved in the index) are the whole
+RNG state, and a resumed run redraws exactly the same masks and batches.
+
+Saves are atomic: every rank writes into `.tmp-step_N/` and fsyncs; rank 0 writes the index
+(with each file's size and SHA-256), renames the directory to `step_N`, and only then replaces
+`latest`. Saving a step that exists again moves the old `step_N` aside before renaming and
+deletes it last (`replace_dir`). A crash at any point leaves the previous checkpoint loadable.
+Loads validate before touching the model (config, files, sizes, checksums, shapes) and all ranks
+agree before any rank copies a tensor: nothing is half-loaded.
+
+Resharding = merge each tensor's shards into the dense tensor, split it for the new layout.
+`reshard()` does it offline in one process; `load()` does it on the fly for a live model at
+any layout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Sequence
+from dataclasses import asdict, fields, is_dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import save as safetensors_bytes
+from torch import nn
+
+import tpedu
+from tpedu.checkpoint.files import CheckpointError, _fsync_dir, _sha256, _write_bytes, replace_dir
+from tpedu.checkpoint.rules import (
+    dense_shapes,
+    merge_shards,
+    param_kind,
+    split_tensor,
+)
+from tpedu.comm import collectives
+from tpedu.model.config import GPTConfig
+from tpedu.model.gpt import TPGPT
+from tpedu.parallel.pipeline.schedules import stage_layers
+
+FORMAT = "tpedu-sharded-1"
+
+
+INDEX = "index.json"
+
+
+LATEST = "latest"
+
+
+# Config fields that choose how the model runs, not what its tensors are: they may differ.
+LAYOUT_ONLY = ("sequence_parallel", "recompute", "fused_attention", "overlap_comm", "stage_split")
+
+
+def local_params(model: TPGPT | Sequence[TPGPT]) -> list[tuple[str, nn.Parameter, bool]]:
+    """(dense name, this rank's parameter, is_tied_copy) for every parameter of a TPGPT stage
+    (or a rank's list of pipeline chunks). `is_tied_copy`: the last stage's copy of a tied
+    embedding table (named tok_emb.weight; not saved, loaded from the first stage's table)."""
+    chunks = [model] if isinstance(model, nn.Module) else list(model)
+    out: list[tuple[str, nn.Parameter, bool]] = []
+
+    def mod(prefix: str, m: nn.Module | None) -> None:
+        if m is not None:
+            out.extend((f"{prefix}.{n}", p, False) for n, p in m.named_parameters())
+
+    for m in chunks:
+        if m.first:
+            out.append(("tok_emb.weight", m.tok_emb.weight, False))
+        mod("pos_emb", m.pos_emb)
+        for i, b in zip(m.layer_ids, m.blocks, strict=True):
+            pre = f"blocks.{i}"
+            mod(f"{pre}.norm1", b.norm1)
+            mod(f"{pre}.norm2", b.norm2)
+            out.append((f"{pre}.attn.qkv.weight", b.attn.qkv_weight, False))
+            if b.attn.qkv_bias is not None:
+                out.append((f"{pre}.attn.qkv.bias", b.attn.qkv_bias, False))
+            mod(f"{pre}.attn.out", b.attn.out_proj)
+            for name in ("fc1", "up", "fc2"):
+                mod(f"{pre}.mlp.{name}", getattr(b.mlp, name))
+        if m.last:
+            mod("norm_f", m.norm_f)
+        if m.lm_head is not None:
+            tied = m.config.tie_embeddings
+            out.append(("tok_emb.weight" if tied else "lm_head.weight", m.lm_head.weight, tied))
+        known = {id(p) for _, p, _ in out}
+        unknown = [n for n, p in m.named_parameters() if id(p) not in known]
+        if unknown:  # a parameter the format does not know would silently not be saved
+            raise CheckpointError(f"tpedu.checkpoint does not know how to save {unknown}; "
+                                  "add it to checkpoint.local_params")  # fmt: skip
+    return out
+
+
+def _optimizer_view(opt: object | None) -> tuple[torch.optim.Optimizer | None, set[int]]:
+    """(the torch optimizer holding state, ids of the parameters it updates). A ZeRO-1 wrapper
+    (tpedu.parallel.data_parallel.ZeRO1) manages only its owned parameters, through `.inner`."""
+    inner = getattr(opt, "inner", opt) if opt is not None else None
+    if inner is None:
+        return None, set()
+    return inner, {id(p) for g in inner.param_groups for p in g["params"]}
+
+
+def step_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def shard_file(tp_rank: int, pp_rank: int, dp_rank: int) -> str:
+    return f"tp{tp_rank}-pp{pp_rank}-dp{dp_rank}.safetensors"
+
+
+def _prepare(root: Path, step: int) -> Path:
+    """A fresh temporary directory for this step (a stale one from a crashed save is removed)."""
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".tmp-{step_name(step)}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    return tmp
+
+
+def _write_shard(tmp: Path, coords: tuple[int, int, int], tensors: dict[str, torch.Tensor],
+                 kinds: dict[str, str]) -> None:  # fmt: skip
+    meta = {"tp_rank": str(coords[0]), "pp_rank": str(coords[1]), "dp_rank": str(coords[2]),
+            "kinds": json.dumps(kinds)}  # fmt: skip
+    data = safetensors_bytes({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, meta)
+    _write_bytes(tmp / shard_file(*coords), data)
+
+
+def _finalize(root: Path, tmp: Path, step: int, header: dict, tok: object | None) -> Path:
+    """Index the shard files in `tmp`, write index.json, rename to step_N, then move `latest`."""
+    config = GPTConfig(**header["model"])
+    shapes = dense_shapes(config)
+    tensors: dict[str, dict] = {}
+    files: dict[str, dict] = {}
+    for path in sorted(tmp.glob("*.safetensors")):
+        files[path.name] = {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+        with safe_open(path, framework="pt") as f:
+            meta = f.metadata()
+            kinds = json.loads(meta["kinds"])
+            for key in f.keys():
+                shape = list(f.get_slice(key).get_shape())
+                name = key.split("/", 1)[-1]
+                entry = tensors.setdefault(key, {
+                    "shape": list(shapes[name]) if shape else [], "dtype": "",
+                    "kind": kinds[key], "stage": int(meta["pp_rank"]),  # the rank that wrote it
+                    "shards": []})  # fmt: skip
+                entry["dtype"] = str(f.get_slice(key).get_dtype())
+                entry["shards"].append({"file": path.name, "tp_rank": int(meta["tp_rank"]),
+                                        "shape": shape})  # fmt: skip
+    tp = header["layout"]["tp"]
+    for key, entry in tensors.items():
+        entry["shards"].sort(key=lambda s: s["tp_rank"])
+        want = 1 if entry["kind"] == "replicated" else tp
+        if len(entry["shards"]) != want:  # a bug in the writer, caught before `latest` moves
+            raise CheckpointError(f"{key}: {len(entry['shards'])} shards written, expected {want}")
+    index = {**header, "step": step, "files": files, "tensors": dict(sorted(tensors.items()))}
+    if tok is not None:
+        tok.save(tmp / "tokenizer.json")
+    _write_bytes(tmp / INDEX, json.dumps(index, indent=1).encode())
+    _fsync_dir(tmp)
+    final = root / step_name(step)
+    replace_dir(tmp, final)  # renames, atomic on one file system: never a half-written step_N
+    _write_bytes(root / ".latest.tmp", f"{final.name}\n".encode())
+    os.replace(root / ".latest.tmp", root / LATEST)  # atomic too: latest moves last
+    _fsync_dir(root)
+    return final
+
+
+def _agree(error: BaseException | None, what: str) -> None:
+    """Every rank learns whether every rank succeeded (1 tiny all-reduce, also a barrier).
+
+    A rank that failed raises its own error; the others raise a CheckpointError saying so.
+    """
+    failed = 1.0 if error is not None else 0.0
+    if dist.is_available() and dist.is_initialized():
+        flag = torch.tensor([failed], device=tpedu.device())
+        collectives.all_reduce(flag)
+        failed = flag.item()
+    if error is not None:
+        raise error
+    if failed:
+        raise CheckpointError(f"{what}: a remote worker failed ({int(failed)} rank(s)); "
+                              "see its error")  # fmt: skip
+
+
+def _header(config: GPTConfig, layout: dict, step: int, train_cfg: object | None,
+            opt: object | None) -> dict:  # fmt: skip
+    batch = getattr(train_cfg, "batch", None)
+    seed = getattr(train_cfg, "seed", None)
+    inner, _ = _optimizer_view(opt)
+    optim = None
+    if inner is not None:
+        g = inner.param_groups[0] if inner.param_groups else {}
+        optim = {"type": type(inner).__name__, "betas": list(g.get("betas", ())),
+                 "eps": g.get("eps"), "weight_decay": [x.get("weight_decay") for x in
+                                                       inner.param_groups]}  # fmt: skip
+    return {
+        "format": FORMAT,
+        "tpedu_version": tpedu.__version__,
+        "model": config.to_dict(),
+        "layout": layout,
+        "tokens_seen": step * batch * config.seq_len if batch else None,
+        "data": {"sampler": "tpedu.train.data.batches.packed_batch", "seed": seed, "next_step": step,
+                 "note": "batch k is drawn from a generator seeded by (seed, k): resuming at "
+                         "next_step redraws exactly the batches an uninterrupted run sees"},
+        "rng": {"dropout_seed": config.seed, "init_seed": seed,
+                "note": "dropout masks hash (seed, layer, site, step, index); the loop draws no "
+                        "other random numbers after initialisation, so step + seeds are the "
+                        "whole RNG state"},
+        "optimizer": optim,
+        "train": asdict(train_cfg) if is_dataclass(train_cfg) else None,
+    }  # fmt: skip
+
+
+def save(root: str | Path, model: TPGPT | Sequence[TPGPT], opt: object | None, step: int, *,
+         mesh: object | None = None, zero1: bool = False, train_cfg: object | None = None,
+         tok: object | None = None) -> Path:  # fmt: skip
+    """Save this step's checkpoint under `root` from every rank of the world. Collective.
+
+    model: this rank's TPGPT (or its pipeline chunks); opt: its AdamW (or a ZeRO-1 wrapper,
+    then pass zero1=True) or None; mesh: the tpedu.parallel.mesh.Mesh of a 3D layout (None: the world
+    is one TP group). Returns root/step_N. 3 tiny all-reduces (barriers that also carry
+    failures: one rank's error makes every rank raise, and `latest` does not move).
+    """
+    root = Path(root)
+    chunks = [model] if isinstance(model, nn.Module) else list(model)
+    config = chunks[0].config
+    if mesh is None:
+        tp, pp, dp = dist.get_world_size(chunks[0].group), 1, 1
+        coords = (dist.get_rank(chunks[0].group), 0, 0)
+    else:
+        lay = mesh.layout
+        tp, pp, dp = lay.tp, lay.pp, lay.dp
+        coords = (mesh.tp_rank, mesh.pp_rank, mesh.dp_rank)
+
+    # stages: the layers of each virtual stage; virtual stage c·pp + s is on pp rank s (chunks
+    # > 1 only with the interleaved schedule)
+    virtual = stage_layers(config, pp * len(chunks))
+    layout = {"tp": tp, "pp": pp, "dp": dp, "zero1": zero1,
+              **({"chunks": len(chunks)} if len(chunks) > 1 else {}),  # absent: 1
+              "stages": [[r.start, r.stop] for r in virtual]}  # fmt: skip
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    tmp = Path(root) / f".tmp-{step_name(step)}"
+    error: BaseException | None = None
+    try:
+        if rank0:
+            _prepare(root, step)
+    except Exception as e:  # noqa: BLE001 - reported to every rank by _agree
+        error = e
+    _agree(error, f"preparing {tmp}")
+    try:
+        tensors, kinds = _rank_tensors(chunks, opt, coords, zero1)
+        if tensors:
+            _write_shard(tmp, coords, tensors, kinds)
+    except Exception as e:  # noqa: BLE001
+        error = e
+    _agree(error, f"writing {tmp}")
+    final = root / step_name(step)
+    try:
+        if rank0:
+            header = _header(config, layout, step, train_cfg, opt)
+            _finalize(root, tmp, step, header, tok)
+    except Exception as e:  # noqa: BLE001
+        error = e
+    _agree(error, f"finalizing {final}")
+    return final
+
+
+def _rank_tensors(chunks: list[TPGPT], opt: object | None, coords: tuple[int, int, int],
+                  zero1: bool) -> tuple[dict[str, torch.Tensor], dict[str, str]]:  # fmt: skip
+    """What this rank writes: its parameters (dp rank 0 only; replicated ones by tp rank 0 only)
+    and the optimizer state it holds (every dp rank with ZeRO-1, else dp rank 0)."""
+    tp_rank, _, dp_rank = coords
+    config = chunks[0].config
+    inner, managed = _optimizer_view(opt)
+    tensors: dict[str, torch.Tensor] = {}
+    kinds: dict[str, str] = {}
+    for name, p, tied_copy in local_params(chunks):
+        kind = param_kind(name, config)
+        if tied_copy or (kind == "replicated" and tp_rank):
+            continue
+        if dp_rank == 0:
+            tensors[name], kinds[name] = p.detach(), kind
+        if inner is not None and id(p) in managed and (zero1 or dp_rank == 0):
+            for key, value in inner.state.get(p, {}).items():
+                if torch.is_tensor(value) and (value.dim() or not tp_rank):  # scalars once
+                    k = f"{key}/{name}"
+                    tensors[k], kinds[k] = value.detach(), kind if value.dim() else "replicated"
+    return tensors, kinds
+
+
+def resolve(path: str | Path) -> Path:
+    """A step directory, given it or its parent (then `latest` names the step)."""
+    path = Path(path)
+    if (path / INDEX).exists():
+        return path
+    if (path / LATEST).exists():
+        name = (path / LATEST).read_text().strip()
+        if not (path / name / INDEX).exists():
+            # killed inside replace_dir while re-saving this step: the old one is complete aside
+            aside = [p.parent for p in path.glob(f".old-{name}-*/{INDEX}")]
+            if aside:
+                return max(aside, key=lambda p: (p / INDEX).stat().st_mtime)
+            raise CheckpointError(f"{path / LATEST} names {name!r}, which has no {INDEX}")
+        return path / name
+    if not path.exists():
+        raise CheckpointError(f"{path} does not exist")
+    raise CheckpointError(f"{path} is not a tpedu checkpoint: no {INDEX} and no {LATEST} in it "
+                          "(an interrupted save leaves only a .tmp-step_N directory)")  # fmt: skip
+
+
+def read_index(path: str | Path) -> tuple[Path, dict]:
+    """(the step directory, its parsed index), checking the format field."""
+    step_dir = resolve(path)
+    text = (step_dir / INDEX).read_text()
+    try:
+        index = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(
+            f"{step_dir / INDEX} is not valid JSON ({e}); the file is corrupted"
+        ) from None
+    if index.get("format") != FORMAT:
+        raise CheckpointError(f"{step_dir / INDEX}: field 'format' is {index.get('format')!r}, "
+                              f"expected {FORMAT!r}")  # fmt: skip
+    for key in ("model", "layout", "tensors", "files", "step"):
+        if key not in index:
+            raise CheckpointError(f"{step_dir / INDEX} has no field {key!r}; the file is damaged")
+    return step_dir, index
+
+
+def read_config(path: str | Path) -> GPTConfig:
+    """The model config a checkpoint was saved with."""
+    step_dir, index = read_index(path)
+    try:
+        return GPTConfig(**index["model"])
+    except TypeError as e:
+        raise CheckpointError(
+            f"{step_dir / INDEX}: field 'model' is not a GPTConfig ({e})"
+        ) from None
+
+
+def check_config(index: dict, config: GPTConfig, where: Path) -> None:
+    """Raise naming the first config field that differs (layout-only fields may differ)."""
+    saved = index["model"]
+    for f in fields(GPTConfig):
+        if f.name in LAYOUT_ONLY:
+            continue
+        mine = getattr(config, f.name)
+        if saved.get(f.name) != mine:
+            raise CheckpointError(
+                f"{where / INDEX}: field 'model.{f.name}' is {saved.get(f.name)!r} but the model "
+                f"being loaded has {f.name}={mine!r}; build the model with the checkpoint's "
+                "config (checkpoint.read_config)"
+            )
+
+
+def check_file(step_dir: Path, index: dict, file: str, verify: bool = True) -> None:
+    """Raise a CheckpointError unless shard `file` is listed in the index, present, of the
+    listed size and (with `verify`) of the listed SHA-256."""
+    path = step_dir / file
+    info = index["files"].get(file)
+    if info is None:
+        raise CheckpointError(f"{step_dir / INDEX}: field 'files' does not list {file}")
+    if not path.exists():
+        raise CheckpointError(f"{path} is missing (listed in {INDEX} 'files')")
+    size = path.stat().st_size
+    if size != info["bytes"]:
+        raise CheckpointError(
+            f"{path} is truncated or overwritten: {size} bytes, "
+            f"{INDEX} field 'files.{file}.bytes' says {info['bytes']}"
+        )
+    if verify and _sha256(path) != info["sha256"]:
+        raise CheckpointError(
+            f"{path} is corrupted: its SHA-256 differs from {INDEX} field 'files.{file}.sha256'"
+        )
+
+
+def check_files(path: str | Path, verify: bool = False) -> tuple[Path, dict]:
+    """(step dir, index) of checkpoint `path` after checking every shard file it lists (one
+    process, before any rank starts; `verify` also checks the SHA-256s)."""
+    step_dir, index = read_index(path)
+    for file in index["files"]:
+        check_file(step_dir, index, file, verify)
+    return step_dir, index
+
+
+class _Reader:
+    """Reads shards, verifying each file (present, size, SHA-256) once, before its first use."""
+
+    def __init__(self, step_dir: Path, index: dict, verify: bool = True) -> None:
+        self.dir, self.index, self.verify = step_dir, index, verify
+        self.checked: set[str] = set()
+
+    def _check(self, file: str) -> None:
+        if file not in self.checked:
+            check_file(self.dir, self.index, file, self.verify)
+            self.checked.add(file)
+
+    def entry(self, key: str) -> dict:
+        entry = self.index["tensors"].get(key)
+        if entry is None:
+            raise CheckpointError(f"{self.dir / INDEX}: field 'tensors' has no {key!r}")
+        return entry
+
+    def dense(
+        self, key: str, config: GPTConfig, shape: tuple[int, ...] | None = None
+    ) -> torch.Tensor:
+        """The merged dense tensor `key` (checked against `shape` and its shards' shapes)."""
+        entry = self.entry(key)
+        if shape is not None and tuple(entry["shape"]) != tuple(shape):
+            raise CheckpointError(f"{self.dir / INDEX}: field 'tensors.{key}.shape' is "
+                                  f"{entry['shape']}, the model needs {list(shape)}")  # fmt: skip
+        parts = []
+        for s in entry["shards"]:
+            self._check(s["file"])
+            with safe_open(self.dir / s["file"], framework="pt") as f:
+                if key not in f.keys():
+                    raise CheckpointError(f"{self.dir / s['file']} has no tensor {key!r}")
+                t = f.get_tensor(key)
+            if list(t.shape) != s["shape"]:
+                raise CheckpointError(f"{self.dir / s['file']}: tensor {key!r} has shape "
+                                      f"{list(t.shape)}, {INDEX} says {s['shape']}")  # fmt: skip
+            parts.append(t)
+        rows = entry["shape"][0] if entry["shape"] else None
+        dense = merge_shards(parts, entry["kind"], config, rows)
+        if list(dense.shape) != entry["shape"]:
+            raise CheckpointError(f"{key}: its shards merge to {list(dense.shape)}, {INDEX} "
+                                  f"field 'tensors.{key}.shape' says {entry['shape']}")  # fmt: skip
+        return dense
+
+
+def load(path: str | Path, model: TPGPT | Sequence[TPGPT], opt: object | None = None, *,
+         verify: bool = True) -> dict:  # fmt: skip
+    """Load a checkpoint (a step directory, or a root with `latest`) into this rank's model and
+    optimizer, at whatever layout they have: every tensor is merged from the saved shards and
+    split for this rank. Returns the index (its "step" is the next step to run).
+
+    Everything is read and checked first; then all ranks agree (1 tiny all-reduce over the
+    world) and only then copy, so on any error no rank has changed anything.
+    """
+    chunks = [model] if isinstance(model, nn.Module) else list(model)
+    config = chunks[0].config
+    tp, rank = chunks[0].tp, dist.get_rank(chunks[0].group) if dist.is_initialized() else 0
+    inner, managed = _optimizer_view(opt)
+    error: BaseException | None = None
+    staged: list[tuple[torch.Tensor, torch.Tensor]] = []
+    states: dict[nn.Parameter, dict[str, torch.Tensor]] = {}
+    index: dict = {}
+    try:
+        step_dir, index = read_index(path)
+        check_config(index, config, step_dir)
+        reader = _Reader(step_dir, index, verify)
+        shapes = dense_shapes(config)
+        state_keys = sorted({k.split("/", 1)[0] for k in index["tensors"] if "/" in k})
+        if inner is not None and managed and index["step"] > 0 and not state_keys:
+            raise CheckpointError(f"{step_dir / INDEX} holds no optimizer state "
+                                  "(saved without one); load it with opt=None")  # fmt: skip
+        for name, p, _ in local_params(chunks):
+            kind = param_kind(name, config)
+            local = split_tensor(reader.dense(name, config, shapes[name]), kind, tp, rank, config)
+            if local.shape != p.shape:
+                raise CheckpointError(f"{name}: the checkpoint gives this rank a "
+                                      f"{list(local.shape)} shard, the model has "
+                                      f"{list(p.shape)}")  # fmt: skip
+            staged.append((p, local))
+            if inner is not None and id(p) in managed:
+                st = {}
+                for key in state_keys:
+                    dense = reader.dense(f"{key}/{name}", config)
+                    st[key] = dense if dense.dim() == 0 else split_tensor(dense, kind, tp, rank,
+                                                                          config)  # fmt: skip
+                states[p] = st
+    except Exception as e:  # noqa: BLE001 - reported to every rank by _agree
+        error = e
+    _agree(error, f"loading {path}")
+    with torch.no_grad():
+        for p, local in staged:
+            p.copy_(local.to(p.dtype))
+    for p, st in states.items():
+        inner.state[p] = {k: v if v.dim() == 0 else v.to(device=p.device, dtype=p.dtype)
+                          for k, v in st.items()}  # fmt: skip
+    return index
+
+
+def save_if_due(cfg: object, step: int, model: TPGPT | Sequence[TPGPT], opt: object | None,
+                **kwargs: object) -> Path | None:  # fmt: skip
+    """The training loop's hook: save() to cfg.ckpt_dir when `step` (optimizer steps done) is a
+    multiple of cfg.save_every, or the last step (cfg.steps). No ckpt_dir: nothing."""
+    every, steps = getattr(cfg, "save_every", 0), getattr(cfg, "steps", None)
+    ckpt_dir = getattr(cfg, "ckpt_dir", None)
+    if ckpt_dir and ((every and step % every == 0) or step == steps):
+        return save(ckpt_dir, model, opt, step, train_cfg=cfg, **kwargs)
+    return None
+
+
+def resume_from(cfg: object, model: TPGPT | Sequence[TPGPT], opt: object | None) -> int:
+    """The training loop's hook: load cfg.resume (if set) and return the next step to run."""
+    path = getattr(cfg, "resume", None)
+    return load(path, model, opt)["step"] if path else 0
+
+
+def summary(path: str | Path) -> str:
+    """A short human-readable description of a checkpoint: layout, step, files, tensors."""
+    step_dir, index = read_index(path)
+    lay = index["layout"]
+    lines = [f"{step_dir}: step {index['step']}, tp={lay['tp']} pp={lay['pp']} dp={lay['dp']}"
+             f"{' zero1' if lay.get('zero1') else ''}, {len(index['files'])} shard files, "
+             f"{len(index['tensors'])} tensors"]  # fmt: skip
+    for f, info in index["files"].items():
+        lines.append(f"  {f:<28} {info['bytes']:>10,} bytes")
+    return "\n".join(lines)

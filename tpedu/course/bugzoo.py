@@ -1,0 +1,328 @@
+"""The bug zoo: deliberately broken variants of tpedu, one real, reported failure each (lesson 15).
+
+Each bug is a context manager that monkeypatches ONE thing in tpedu, and comes with the check
+that catches it (a mutation test: the check passes on tpedu and fails under the bug) and the
+symptom a learner would see:
+
+    with broken("no_backward_allreduce"):      # inside a rank worker (or before tpedu.launch:
+        ok, detail = BUGS["..."].check()       #  forked ranks inherit the patch)
+
+    name                       what is wrong                                  caught by
+    no_backward_allreduce      f's backward returns the local gradient         dense vs TP gradients
+    wrong_group                f̄ all-reduces over every rank, not the TP group  dense vs TP loss (tp2×dp2)
+    sp_norm_grads_unsynced     SP: norm/bias gradients never all-reduced       dense vs TP gradients (SP)
+    padded_vocab_unmasked      padding columns of the vocab shard enter the    dense vs TP loss
+                               softmax
+    argmax_one_shard           greedy decoding takes argmax over one shard     dense vs TP argmax
+    fused_qkv_naive_split      fused [q|k|v] weight chunked into t row blocks  dense vs TP loss
+    kv_wrong_replica           tp > kv heads: rank r uses KV head r mod nkv    dense vs TP loss (tp 4)
+    kv_replica_grads_unsynced  replicated KV heads' gradients never summed     dense vs TP gradients (tp 4)
+    seed_tp_groups             TP groups = ranks with the same tp_rank (seed 2) dense vs TP loss (tp2×dp2)
+    pipeline_warmup_reversed   1F1B warm-up counted from the wrong end         hang -> PipelineTimeout
+    dropout_rank_masks         per-rank dropout masks in replicated regions    dense vs TP loss, training
+
+Checks run on every rank of a launch of `Bug.world` ranks and return (ok, detail) per rank; the
+bug is caught when any rank reports not ok.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+
+from tpedu import model
+from tpedu.comm import collectives
+from tpedu.course.troubleshoot import compare_with_dense
+from tpedu.launcher import device
+from tpedu.model import gpt
+from tpedu.parallel import mesh, pipeline
+from tpedu.parallel.pipeline import schedules
+from tpedu.tp import attention, vocab_parallel
+from tpedu.tp import operators as tp_ops
+
+# The small models every check uses: an odd vocabulary (37: padded at tp 2 and 4), 4 heads.
+GPT2 = model.GPTConfig.gpt2_like(37, seq_len=8, n_layers=2, hidden=16, n_heads=4)
+LLAMA = model.GPTConfig.llama_like(37, seq_len=8, n_layers=2, hidden=16, n_heads=4, n_kv_heads=2)
+
+
+@dataclass(frozen=True)
+class Bug:
+    """One broken variant: what it breaks, how it shows, and the check that catches it."""
+
+    name: str
+    title: str  # one line: what is wrong
+    patch: Callable[[], contextlib.AbstractContextManager]
+    check: Callable[[], tuple[bool, str]]  # run on every rank of `world` ranks
+    world: int
+    symptom: str  # what a learner sees
+    source: str  # where it was reported
+
+
+@contextlib.contextmanager
+def _patched(owner: object, attr: str, value: object) -> Iterator[None]:
+    """Set owner.attr = value for the block (class attributes keep their staticmethod wrapper)."""
+    old = owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr)
+    setattr(owner, attr, value)
+    try:
+        yield
+    finally:
+        setattr(owner, attr, old)
+
+
+# ---------------------------------------------------------------------------- broken variants
+
+
+def _copy_backward_local(ctx: object, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+    return grad, None  # BUG: each rank keeps only its own shard's share of dL/dx
+
+
+def _reduce_forward_world(ctx: object, x: torch.Tensor, group: object) -> torch.Tensor:
+    out = x.contiguous().clone()
+    collectives.all_reduce(out, None)  # BUG: the default group (every rank), not `group`
+    return out
+
+
+def _sync_nothing(params: object, group: object = None) -> None:
+    return None  # BUG: the SP norms' and biases' partial gradients stay partial
+
+
+def _no_padding_mask(logits_shard: torch.Tensor, start: int, vocab_size: int) -> torch.Tensor:
+    return logits_shard  # BUG: padding columns (logit 0) join the max and the softmax sum
+
+
+def _argmax_one_shard(logits_shard: torch.Tensor, vocab_size: int, group: object = None):  # noqa: ANN202
+    start = dist.get_rank(group) * logits_shard.shape[-1]
+    return logits_shard.argmax(dim=-1) + start  # BUG: this shard's best token, not the model's
+
+
+def _split_qkv_naive(weight: torch.Tensor, n_heads: int, n_kv_heads: int, tp: int,
+                     rank: int) -> torch.Tensor:  # fmt: skip
+    return weight.detach().chunk(tp, dim=0)[rank].contiguous()  # BUG: rank 0 gets q, q, ...
+
+
+_local_heads = attention.local_heads
+
+
+def _local_heads_modulo(n_heads: int, n_kv_heads: int, tp: int, rank: int):  # noqa: ANN202
+    q, kv = _local_heads(n_heads, n_kv_heads, tp, rank)
+    if tp > n_kv_heads:
+        kv = [rank % n_kv_heads]  # BUG: should be rank // (tp / nkv), the head its queries use
+    return q, kv
+
+
+def _no_kv_sync(self: object) -> None:
+    return None  # BUG: each replica keeps the gradient of its own queries only
+
+
+def _seed_tp_groups(self: mesh.Layout) -> list[list[int]]:
+    groups: list[list[int]] = []
+    for r in range(self.world):  # BUG (second seed): ranks with the same tp_rank, not a TP group
+        g = mesh.seed_tp_group(self.world, self.tp, r)
+        if g not in groups:
+            groups.append(g)
+    return groups
+
+
+def _one_f_one_b_reversed(n_micro: int, n_stages: int, stage: int) -> list:
+    warm = min(stage, n_micro)  # BUG: the first stage needs p-1-s warm-up forwards, not s
+    out: list = [("F", i) for i in range(warm)]
+    for i in range(n_micro - warm):
+        out += [("F", warm + i), ("B", i)]
+    return out + [("B", i) for i in range(n_micro - warm, n_micro)]
+
+
+_index_dropout = gpt.index_dropout
+
+
+def _dropout_per_rank(x: torch.Tensor, p: float, seed: int, *args: object, **kwargs: object):  # noqa: ANN202
+    # BUG: seeding by rank (torch.manual_seed(base + rank)) in a region every rank replicates
+    return _index_dropout(x, p, seed + dist.get_rank(), *args, **kwargs)
+
+
+# ----------------------------------------------------------------------------------- checks
+
+
+def _batch(config: model.GPTConfig, seed: int = 1, b: int = 3, s: int = 6):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randint(0, config.vocab_size, (b, s), generator=g),
+            torch.randint(0, config.vocab_size, (b, s), generator=g))  # fmt: skip
+
+
+def _vs_dense(config: model.GPTConfig, group: object = None, seed: int = 1,
+              training: bool = False) -> tuple[bool, str]:  # fmt: skip
+    ids, tgt = _batch(config, seed)
+    cmp = compare_with_dense(config, group, ids, tgt, training=training)
+    name, d = cmp.worst
+    return cmp.ok, f"loss rel diff {cmp.loss_diff:.1e}, worst gradient {name} ({d:.1e})"
+
+
+def check_tp_step() -> tuple[bool, str]:
+    """TP (all ranks) vs dense: loss and every gradient, float64."""
+    return _vs_dense(GPT2)
+
+
+def check_sp_step() -> tuple[bool, str]:
+    """Sequence-parallel TP vs dense: loss and every gradient."""
+    return _vs_dense(replace(GPT2, sequence_parallel=True))
+
+
+def check_dropout_step() -> tuple[bool, str]:
+    """TP vs dense with dropout 0.1 in training mode (masks must be the dense ones)."""
+    return _vs_dense(replace(GPT2, dropout=0.1), training=True)
+
+
+def check_gqa_step() -> tuple[bool, str]:
+    """Grouped-query attention (4 q heads, 2 KV heads) at tp = world (4: replicated KV) vs dense."""
+    return _vs_dense(LLAMA)
+
+
+def check_two_groups() -> tuple[bool, str]:
+    """world 4 = two TP groups [0,1], [2,3] with different data; each must match dense on its own."""
+    world, tp = dist.get_world_size(), 2
+    groups = [dist.new_group(list(range(i, i + tp))) for i in range(0, world, tp)]
+    gi = dist.get_rank() // tp
+    return _vs_dense(GPT2, groups[gi], seed=1 + gi)
+
+
+def check_mesh_groups() -> tuple[bool, str]:
+    """tp 2 × dp 2 Mesh; each DP replica gets its own batch; each must match dense on its batch."""
+    m = mesh.Mesh(mesh.Layout(tp=2, pp=1, dp=2))
+    return _vs_dense(GPT2, m.tp_group, seed=1 + m.dp_rank)
+
+
+def check_argmax() -> tuple[bool, str]:
+    """Greedy decoding from vocab-parallel logits == argmax of the dense logits, every row."""
+    g = torch.Generator().manual_seed(5)
+    v, t, r = 37, dist.get_world_size(), dist.get_rank()
+    n = -(-v // t)
+    full = torch.randn(16, v, generator=g, dtype=torch.float64).to(device())
+    padded = torch.nn.functional.pad(full, (0, n * t - v))
+    got = vocab_parallel.vocab_parallel_argmax(padded[:, r * n : (r + 1) * n], v)
+    wrong = int((got != full.argmax(-1)).sum())
+    return wrong == 0, f"{wrong} of 16 tokens differ from the dense argmax"
+
+
+def check_pipeline() -> tuple[bool, str]:
+    """pp 2, 1F1B, 2 micro-batches: the step must finish (a receive waits at most 1 s)."""
+    m = mesh.Mesh(mesh.Layout(tp=1, pp=2, dp=1))
+    torch.manual_seed(0)
+    dense = model.DenseGPT(GPT2)  # built on the CPU (the same init on every rank), then moved
+    chunks = [c.to(device()) for c in pipeline.build_stage_chunks(dense, m.tp_group, m.pp_rank, 2)]
+    ids, tgt = (x.to(device()) for x in _batch(GPT2, b=4))
+    acts = pipeline.schedule("1f1b", 2, 2, m.pp_rank)
+    try:
+        pipeline.run_schedule(chunks, acts, pipeline.Pipe.from_mesh(m), list(ids.chunk(2)),
+                              list(tgt.chunk(2)), (2, 6, GPT2.hidden),
+                              recv_timeout=1.0)  # fmt: skip
+    except pipeline.PipelineTimeout as e:
+        return False, str(e).split(": the stages")[0]
+    return True, "the step finished"
+
+
+# ------------------------------------------------------------------------------------ the zoo
+
+BUGS: dict[str, Bug] = {
+    b.name: b
+    for b in [
+        Bug("no_backward_allreduce", "f (copy_to_tp_region) forgets the all-reduce in backward",
+            lambda: _patched(tp_ops.CopyToTPRegion, "backward", staticmethod(_copy_backward_local)),
+            check_tp_step, 2,
+            "forward and loss identical; the gradient of every layer in front of an f differs "
+            "from tp=1 (with a vocab-parallel head: all of them); loss curves drift apart slowly",
+            "seed §2.2 (f's backward all-reduce) and §5.3 (列并行层反向忘了AllReduce输入梯度); "
+            "Megatron-LM copy_to_tensor_model_parallel_region"),
+        Bug("wrong_group", "f̄ all-reduces over every rank instead of the TP group",
+            lambda: _patched(tp_ops.ReduceFromTPRegion, "forward", staticmethod(_reduce_forward_world)),
+            check_two_groups, 4,
+            "fine with one TP group; with tp 2 × dp 2 the activations of different data replicas "
+            "are summed: loss wrong from step 0, or a hang if the groups' schedules differ",
+            "seed §5.3 (AllReduce用错了group, TP and global group mixed up); a common 3D-parallel "
+            "mistake (default group instead of the TP group)"),
+        Bug("sp_norm_grads_unsynced", "sequence parallel: LayerNorm/bias gradients not all-reduced",
+            lambda: _patched(gpt, "allreduce_sequence_parallel_grads", _sync_nothing),
+            check_sp_step, 2,
+            "loss identical; only norm weights/biases and row-parallel biases have the wrong "
+            "gradient; replicated norms drift apart across ranks over steps",
+            "Megatron-LM #1446, gpt-neox #1257"),
+        Bug("padded_vocab_unmasked", "padding columns of the vocab-parallel logits not masked",
+            lambda: _patched(vocab_parallel, "_mask_padding", _no_padding_mask),
+            check_tp_step, 2,
+            "loss too high by log(1 + n_pad·e^(-m)/S) whenever vocab % tp != 0 (fine when it "
+            "divides); probability mass on ids that do not exist",
+            "not in the seeds (a course addition from practice): Megatron-LM pads the vocabulary "
+            "(make_vocab_size_divisible_by) and masks the padding"),
+        Bug("argmax_one_shard", "greedy decoding: argmax over this rank's vocabulary shard",
+            lambda: _patched(vocab_parallel, "vocab_parallel_argmax", _argmax_one_shard),
+            check_argmax, 2,
+            "training is fine; generated text differs per rank and from tp=1 (each rank emits "
+            "its own shard's best token)",
+            "seed §5.5"),
+        Bug("fused_qkv_naive_split", "fused [q|k|v] weight chunked into t row blocks",
+            lambda: _patched(attention, "split_qkv", _split_qkv_naive),
+            check_tp_step, 2,
+            "runs without error (the shapes fit); loss at tp>1 differs from tp=1 at step 0 and "
+            "trains to a worse model",
+            "not in the seeds: Megatron-LM / HF checkpoint conversion issues (fused QKV layout)"),
+        Bug("kv_wrong_replica", "tp > KV heads: rank r takes KV head r mod nkv, not r // (tp/nkv)",
+            lambda: _patched(attention, "local_heads", _local_heads_modulo),
+            check_gqa_step, 4,
+            "GQA model at tp > n_kv_heads: queries attend with another group's keys; loss "
+            "differs from tp=1 at step 0",
+            "Megatron-LM/picotron assert nkv % tp == 0 instead; vLLM/SGLang replicate"),
+        Bug("kv_replica_grads_unsynced", "replicated KV heads' gradients never summed",
+            lambda: _patched(attention.ParallelAttention, "allreduce_replicated_kv_grads",
+                             _no_kv_sync),
+            check_gqa_step, 4,
+            "loss identical at step 0; KV weight gradients are partial; the replicas of a KV "
+            "head drift apart from step 1",
+            "Megatron-LM GQA with tp > num_query_groups"),
+        Bug("seed_tp_groups", "TP groups built as in the second seed (same tp_rank: never a TP group)",
+            lambda: _patched(mesh.Layout, "tp_groups", _seed_tp_groups),
+            check_mesh_groups, 4,
+            "at dp = pp = 1 each 'TP group' is one rank: tpedu silently runs the unsharded model "
+            "on every rank (right loss, no memory saved; the seed's layers, sized by a fixed "
+            "tp_size, sum nothing and are wrong from step 0); with dp > 1 a 'TP group' holds "
+            "ranks with different batches: loss wrong from step 0",
+            "second seed §4.1, its new_group loop"),
+        Bug("pipeline_warmup_reversed", "1F1B warm-up counted from the wrong end (s, not p-1-s)",
+            lambda: _patched(schedules, "one_f_one_b", _one_f_one_b_reversed),
+            check_pipeline, 2,
+            "hang: stage 0 waits for a gradient, stage 1 for an activation; with a timeout, "
+            "PipelineTimeout naming both",
+            "pipeline schedule bugs (send/recv order mismatch)"),
+        Bug("dropout_rank_masks", "dropout seeded per rank in replicated regions",
+            lambda: _patched(gpt, "index_dropout", _dropout_per_rank),
+            check_dropout_step, 2,
+            "fine with dropout 0 or in eval; in training the replicated residual stream differs "
+            "across ranks, loss differs from tp=1, replicated weights drift apart",
+            "not in the seeds: Megatron-LM's CUDA RNG tracker (model-parallel vs data-parallel "
+            "seeds)"),
+    ]
+}  # fmt: skip
+
+PENDING: dict[str, str] = {}  # bugs waiting for a part of tpedu that does not exist yet
+
+
+def broken(name: str) -> contextlib.AbstractContextManager:
+    """The broken variant `name` (a context manager that monkeypatches one thing in tpedu)."""
+    if name not in BUGS:
+        raise ValueError(f"unknown bug {name!r}; the zoo has: {', '.join(BUGS)}")
+    return BUGS[name].patch()
+
+
+def run_check(name: str, with_bug: bool) -> tuple[bool, str]:
+    """Worker body: run bug `name`'s check on this rank, with or without the bug."""
+    with broken(name) if with_bug else contextlib.nullcontext():
+        return BUGS[name].check()
+
+
+def catalogue() -> str:
+    """A text table of the zoo: name, ranks, what is wrong."""
+    lines = [f"{'bug':<26} {'ranks':>5}  what is wrong", "-" * 90]
+    lines += [f"{b.name:<26} {b.world:>5}  {b.title}" for b in BUGS.values()]
+    lines += [f"{n:<26} {'-':>5}  pending: {why}" for n, why in PENDING.items()]
+    return "\n".join(lines)

@@ -1,0 +1,86 @@
+"""TODO"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from tpedu.tp.attention import check_heads
+from tpedu.tp.sequence_parallel import (
+    check_sequence_length,
+)
+from tpedu.tp.sharding import check_divisible
+
+RECOMPUTE = ("none", "selective", "full")
+
+
+@dataclass
+class GPTConfig:
+    """Everything that fixes the model's shapes and arithmetic."""
+
+    vocab_size: int
+    seq_len: int = 128
+    n_layers: int = 2
+    hidden: int = 64
+    n_heads: int = 4
+    n_kv_heads: int | None = None  # None: = n_heads (multi-head attention)
+    ffn_hidden: int | None = None  # None: 4 · hidden
+    norm: str = "layernorm"  # or "rmsnorm"
+    position: str = "learned"  # or "rope"
+    activation: str = "gelu"  # "gelu", "gelu_tanh" (GPT-2), "swiglu", ...
+    bias: bool = True
+    tie_embeddings: bool = True
+    vocab_parallel: bool = True  # False: every rank keeps the whole embedding (the seeds' start)
+    dropout: float = 0.0
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    seed: int = 0  # dropout masks
+    sequence_parallel: bool = False  # TPGPT: norms, dropout, residuals on s/t positions
+    recompute: str = "none"  # TPGPT: "selective" (attention core) or "full" (whole block)
+    fused_attention: bool = True  # flash attention (SDPA) whenever no dropout mask is drawn
+    overlap_comm: bool = False  # TPGPT: f's backward all-reduce overlapped with dL/dW (lesson 14)
+    stage_split: str = "even"  # pipeline: "even" blocks per stage, or "flops" (head counted)
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def ffn(self) -> int:
+        return 4 * self.hidden if self.ffn_hidden is None else self.ffn_hidden
+
+    def check(self, tp: int = 1) -> None:
+        """Raise a ValueError naming the problem (and the fix) if this config cannot run at `tp`."""
+        for name, choices in (
+            ("norm", ("layernorm", "rmsnorm")),
+            ("position", ("learned", "rope")),
+            ("stage_split", ("even", "flops")),
+        ):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
+        check_heads(self.n_heads, self.kv_heads, tp)  # first: the checks below divide by n_heads
+        if self.hidden % self.n_heads:
+            raise ValueError(f"hidden = {self.hidden} is not divisible by n_heads = {self.n_heads}")
+        if self.position == "rope" and (self.hidden // self.n_heads) % 2:
+            raise ValueError("RoPE needs an even head dimension")
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"recompute must be one of {RECOMPUTE}, got {self.recompute!r}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout = {self.dropout} must be in [0, 1): the probability of "
+                             "zeroing an activation (1 would zero them all)")  # fmt: skip
+        check_divisible(self.ffn, tp, "ffn_hidden")
+        if self.sequence_parallel:  # the batch's own s is checked again at run time
+            check_sequence_length(self.seq_len, tp)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def gpt2_like(cls, vocab_size: int, **overrides: object) -> GPTConfig:
+        return cls(vocab_size, **{"activation": "gelu_tanh", **overrides})
+
+    @classmethod
+    def llama_like(cls, vocab_size: int, **overrides: object) -> GPTConfig:
+        base = {"norm": "rmsnorm", "position": "rope", "activation": "swiglu", "bias": False,
+                "n_kv_heads": 2, "tie_embeddings": False}  # fmt: skip
+        return cls(vocab_size, **{**base, **overrides})

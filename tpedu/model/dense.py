@@ -1,0 +1,99 @@
+"""TODO"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tpedu.model.config import GPTConfig
+from tpedu.tp.dense import DenseAttention, DenseMLP
+from tpedu.tp.dropout import derive_seed, index_dropout
+from tpedu.train.data.batches import IGNORE
+
+# Dropout call sites owned by the model (the attention and MLP modules own theirs).
+EMBEDDING_DROPOUT_SITE, ATTENTION_OUTPUT_DROPOUT_SITE = 11, 12
+
+
+def make_norm(config: GPTConfig) -> nn.Module:
+    if config.norm == "rmsnorm":
+        return nn.RMSNorm(config.hidden, eps=config.norm_eps)
+    return nn.LayerNorm(config.hidden, eps=config.norm_eps, bias=config.bias)
+
+
+class DenseBlock(nn.Module):
+    """Pre-norm block: x + drop(attn(norm1(x))), then + mlp(norm2(·)) (the MLP drops its output)."""
+
+    def __init__(self, config: GPTConfig, layer: int) -> None:
+        super().__init__()
+        self.seed = derive_seed(config.seed, layer)
+        self.p = config.dropout
+        self.norm1, self.norm2 = make_norm(config), make_norm(config)
+        rope = config.rope_theta if config.position == "rope" else None
+        self.attn = DenseAttention(config.hidden, config.n_heads, config.kv_heads,
+                                   bias=config.bias, dropout_p=config.dropout,
+                                   dropout_seed=self.seed, rope_theta=rope,
+                                   fused=config.fused_attention)  # fmt: skip
+        self.mlp = DenseMLP(config.hidden, config.ffn, config.activation, config.bias,
+                            output_dropout=config.dropout, seed=self.seed)  # fmt: skip
+
+    def forward(self, x: torch.Tensor, step: int = 0) -> torch.Tensor:
+        a = self.attn(self.norm1(x), step)
+        seed = derive_seed(self.seed, ATTENTION_OUTPUT_DROPOUT_SITE, step)
+        x = x + index_dropout(a, self.p, seed, training=self.training)
+        return x + self.mlp(self.norm2(x), step)
+
+
+class DenseGPT(nn.Module):
+    """The single-process reference GPT. ids [b, s] -> logits [b, s, V] (or the mean loss)."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        config.check(1)
+        self.config = config
+        self.tok_emb = nn.Embedding(config.vocab_size, config.hidden)
+        self.pos_emb = (
+            nn.Embedding(config.seq_len, config.hidden) if config.position == "learned" else None
+        )
+        self.blocks = nn.ModuleList(DenseBlock(config, i) for i in range(config.n_layers))
+        self.norm_f = make_norm(config)
+        self.lm_head = (
+            None
+            if config.tie_embeddings
+            else nn.Linear(config.hidden, config.vocab_size, bias=False)
+        )
+        self.apply(_init_weights)
+
+    def hidden_states(self, ids: torch.Tensor, step: int = 0) -> torch.Tensor:
+        """Embeddings -> blocks -> final norm: ids [b, s] -> [b, s, H]."""
+        x = _embed(self, ids, step)
+        for block in self.blocks:
+            x = block(x, step)
+        return self.norm_f(x)
+
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor | None = None,
+                step: int = 0) -> torch.Tensor:  # fmt: skip
+        """Logits [b, s, V]; with `targets` [b, s], the mean loss over non-IGNORE targets."""
+        h = self.hidden_states(ids, step)
+        head = self.tok_emb.weight if self.lm_head is None else self.lm_head.weight
+        logits = F.linear(h, head)
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
+
+
+def _embed(model: nn.Module, ids: torch.Tensor, step: int) -> torch.Tensor:
+    """Token embeddings (+ learned positions) -> dropout: [b, s] -> [b, s, H]."""
+    x = model.tok_emb(ids)
+    if model.pos_emb is not None:
+        x = x + model.pos_emb(torch.arange(ids.shape[1], device=ids.device))
+    seed = derive_seed(model.config.seed, EMBEDDING_DROPOUT_SITE, step)
+    return index_dropout(x, model.config.dropout, seed, training=model.training)
+
+
+def _init_weights(module: nn.Module) -> None:
+    """GPT-2's initialisation: normal(0, 0.02) weights, zero biases."""
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, std=0.02)
+    if isinstance(module, nn.Linear) and module.bias is not None:
+        nn.init.zeros_(module.bias)

@@ -1,0 +1,342 @@
+"""A GPT in two forms: `DenseGPT` (plain torch, one process) and `TPGPT` (tensor parallel).
+
+One config expresses GPT-2 (LayerNorm, learned positions, GELU, tied embeddings, biases) and a
+Llama-style model (RMSNorm, RoPE, SwiGLU, grouped-query attention, no biases). `TPGPT` is built
+from a DenseGPT's state dict, sharded per rank, so TP=N starts identical to TP=1, and
+`gather_state_dict()` gives the dense state dict back.
+
+Per transformer block, tensor parallelism costs exactly (b·s·H elements each):
+    forward:  2 all-reduces (attention out-projection, MLP fc2)
+    backward: 2 all-reduces (the f in front of QKV, the f in front of fc1)
+plus, with a vocab-parallel embedding and loss: 1 all-reduce forward for the embedding, 1
+backward for the LM head's input, and 3 small all-reduces (b·s elements) in the loss.
+
+`GPTConfig.sequence_parallel` (lesson 08): between the TP regions every rank keeps only its s/t
+positions; each all-reduce becomes a reduce-scatter (forward) and each f an all-gather, see
+tpedu/tp/sequence_parallel.py. `sync_grads()` then also sums the gradients of the replicated
+parameters that saw only a sequence shard. `GPTConfig.recompute` (lesson 09): "selective"
+recomputes the attention core in backward, "full" the whole block from its input.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from tpedu.comm import collectives, tracer
+from tpedu.model.config import RECOMPUTE, GPTConfig
+from tpedu.model.dense import (
+    ATTENTION_OUTPUT_DROPOUT_SITE,
+    EMBEDDING_DROPOUT_SITE,
+    DenseBlock,
+    DenseGPT,
+    _embed,
+)
+from tpedu.tp.attention import ParallelAttention
+from tpedu.tp.dropout import derive_seed, index_dropout
+from tpedu.tp.embedding import ReplicatedEmbedding, VocabParallelEmbedding
+from tpedu.tp.layers import ColumnParallelLinear, RowParallelLinear, column_parallel_linear
+from tpedu.tp.mlp import ParallelMLP
+from tpedu.tp.sequence_parallel import (
+    all_gather_linear,
+    allreduce_sequence_parallel_grads,
+    check_sequence_length,
+    gather_from_sequence_parallel_region,
+    mark_sequence_parallel,
+    scatter_to_sequence_parallel_region,
+    sequence_dropout,
+    sequence_offset,
+    sequence_parallel_params,
+)
+from tpedu.tp.vocab_parallel import gather_logits, vocab_parallel_cross_entropy
+from tpedu.train.data.batches import IGNORE
+
+
+def _embed_sequence_parallel(model: TPGPT, ids: torch.Tensor, step: int) -> torch.Tensor:
+    """_embed on this rank's positions: ids [b, s] -> [b, s/t, H], the dense result's slice.
+
+    Vocab-parallel: the partial lookups are reduce-scattered along the sequence (1
+    reduce-scatter; Megatron-LM does the same) rather than all-reduced and then cut.
+    Replicated table: every rank looks up everything and keeps its chunk (no communication
+    forward, 1 all-gather backward, so the table's gradient is complete on every rank).
+    """
+    s = ids.shape[1]
+    check_sequence_length(s, model.tp)
+    if model.config.vocab_parallel:
+        x = model.tok_emb(ids, sequence_parallel=True)
+    else:
+        x = scatter_to_sequence_parallel_region(model.tok_emb(ids), model.group)
+    if model.pos_emb is not None:  # only this rank's rows: its gradient needs the SP all-reduce
+        start = sequence_offset(s // model.tp, model.group)
+        x = x + model.pos_emb(torch.arange(start, start + s // model.tp, device=ids.device))
+    seed = derive_seed(model.config.seed, EMBEDDING_DROPOUT_SITE, step)
+    return sequence_dropout(x, model.config.dropout, seed, model.group, model.training)
+
+
+class TPBlock(nn.Module):
+    """DenseBlock sharded over the TP group: norms replicated, attention and MLP split.
+
+    x [b, s, H] -> [b, s, H]; with sequence_parallel, this rank's positions [b, s/t, H] ->
+    [b, s/t, H] (norms, dropout and residual adds then run on the shard; the norms' parameters
+    and the row-parallel biases are marked `sequence_parallel` for the gradient all-reduce).
+    recompute: "none", "selective" (attention core) or "full" (only x is kept for backward).
+    """
+
+    def __init__(self, dense: DenseBlock, group: dist.ProcessGroup | None,
+                 sequence_parallel: bool = False, recompute: str = "none",
+                 overlap_comm: bool = False) -> None:  # fmt: skip
+        super().__init__()
+        if recompute not in RECOMPUTE:
+            raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
+        self.seed, self.p, self.group = dense.seed, dense.p, group
+        self.sequence_parallel, self.recompute = sequence_parallel, recompute
+        # Replicated: the same on every rank (copies: the TP model must not share the dense one's).
+        self.norm1, self.norm2 = copy.deepcopy(dense.norm1), copy.deepcopy(dense.norm2)
+        self.attn = ParallelAttention.from_dense(dense.attn, group,
+                                                 sequence_parallel=sequence_parallel,
+                                                 recompute_core=recompute == "selective")  # fmt: skip
+        self.mlp = ParallelMLP.from_dense(dense.mlp, group, sequence_parallel=sequence_parallel)
+        # Bitwise the same results; only the backward's timeline changes (SwiGLU's shared f and
+        # sequence parallelism keep their own paths).
+        self.attn.async_grad_allreduce = self.mlp.fc1.async_grad_allreduce = overlap_comm
+        if sequence_parallel:
+            mark_sequence_parallel([*self.norm1.parameters(), *self.norm2.parameters(),
+                                    self.attn.out_proj.bias, self.mlp.fc2.bias])  # fmt: skip
+
+    def forward(self, x: torch.Tensor, step: int = 0) -> torch.Tensor:
+        if self.recompute == "full" and torch.is_grad_enabled():
+            # Keeps only x; backward reruns the block (its collectives and dropout masks too).
+            return checkpoint(self._forward, x, step, use_reentrant=False)
+        return self._forward(x, step)
+
+    def _forward(self, x: torch.Tensor, step: int) -> torch.Tensor:
+        a = self.attn(self.norm1(x), step)  # 1 all-reduce forward, 1 backward (SP: AG + RS)
+        seed = derive_seed(self.seed, ATTENTION_OUTPUT_DROPOUT_SITE, step)
+        if self.sequence_parallel:  # this rank's slice of the dense mask
+            x = x + sequence_dropout(a, self.p, seed, self.group, self.training)
+        else:
+            x = x + index_dropout(a, self.p, seed, training=self.training)  # full: offsets 0
+        return x + self.mlp(self.norm2(x), step)  # 1 all-reduce forward, 1 backward
+
+
+class TPGPT(nn.Module):
+    """The tensor-parallel GPT, built from a DenseGPT (identical on every rank of `group`).
+
+    ids [b, s] (the same on every rank) -> this rank's logits [b, s, Vp/t] when vocab-parallel,
+    else the full logits [b, s, V]; with targets, the mean loss (the same on every rank).
+
+    `layers` (default: all) makes this a pipeline *stage* holding only those blocks: the first
+    stage (layers start at 0) also holds the embeddings and takes ids; the others take the
+    previous stage's hidden states [b, s, H]. The last stage holds the final norm and the head
+    and returns logits or the loss; the others return hidden states. With tied embeddings and
+    more than one stage, the last stage keeps its own copy of the embedding table as the head;
+    the two copies' gradients must be summed over the first and last stage (lesson 10).
+
+    With config.sequence_parallel the hidden states between blocks (and between stages) are this
+    rank's sequence shard [b, s/t, H]; ids, targets, logits and loss are as above.
+    """
+
+    def __init__(self, dense: DenseGPT, group: dist.ProcessGroup | None = None,
+                 layers: range | None = None) -> None:  # fmt: skip
+        super().__init__()
+        config = dense.config
+        self.config, self.group = config, group
+        self.tp = dist.get_world_size(group)
+        self.sequence_parallel = config.sequence_parallel
+        config.check(self.tp)
+        layers = range(config.n_layers) if layers is None else layers
+        if not (0 <= layers.start <= layers.stop <= config.n_layers and layers.step == 1):
+            raise ValueError(
+                f"layers must be a contiguous range within [0, {config.n_layers}), got {layers}"
+            )
+        self.layer_ids = list(layers)
+        self.first, self.last = layers.start == 0, layers.stop == config.n_layers
+        embedding = VocabParallelEmbedding if config.vocab_parallel else ReplicatedEmbedding
+
+        def table(weight: torch.Tensor) -> nn.Module:
+            return embedding(weight, group) if config.vocab_parallel else embedding(weight)
+
+        self.tok_emb = table(dense.tok_emb.weight) if self.first else None
+        self.pos_emb = copy.deepcopy(dense.pos_emb) if self.first else None  # replicated
+        self.blocks = nn.ModuleList(
+            TPBlock(
+                dense.blocks[i],
+                group,
+                config.sequence_parallel,
+                config.recompute,
+                config.overlap_comm,
+            )
+            for i in layers
+        )
+        self.norm_f = copy.deepcopy(dense.norm_f) if self.last else None
+        self.lm_head = None
+        if self.last and dense.lm_head is not None:  # an untied head is split like the embedding
+            self.lm_head = table(dense.lm_head.weight)
+        elif self.last and not self.first:  # tied, on another stage: a copy of the table
+            self.lm_head = table(dense.tok_emb.weight)
+        if config.sequence_parallel:  # replicated, but each rank feeds them its positions only
+            for m in (self.pos_emb, self.norm_f):
+                mark_sequence_parallel(m.parameters() if m is not None else [])
+        self._copies = self._count_copies()
+
+    @classmethod
+    def from_state_dict(cls, config: GPTConfig, state: dict[str, torch.Tensor],
+                        group: dist.ProcessGroup | None = None) -> TPGPT:  # fmt: skip
+        """Shard a dense state dict (e.g. loaded from disk, the same on every rank)."""
+        dense = DenseGPT(config)
+        dense.load_state_dict(state)
+        return cls(dense, group)
+
+    def forward(self, inputs: torch.Tensor, targets: torch.Tensor | None = None,
+                step: int = 0) -> torch.Tensor:  # fmt: skip
+        """ids [b, s] (first stage) or hidden [b, s, H] -> logits / loss (last) or hidden."""
+        sp = self.sequence_parallel
+        if self.first:  # vocab-parallel: 1 all-reduce (SP: 1 reduce-scatter)
+            x = _embed_sequence_parallel(self, inputs, step) if sp else _embed(self, inputs, step)
+        else:
+            x = inputs
+        for block in self.blocks:
+            x = block(x, step)
+        if not self.last:
+            return x
+        h = self.norm_f(x)
+        head = self.tok_emb if self.lm_head is None else self.lm_head
+        if not self.config.vocab_parallel:
+            if sp:  # a replicated head: every rank's dL/dh is already complete, no reduce-scatter
+                h = gather_from_sequence_parallel_region(
+                    h, self.group, tensor_parallel_output_grad=False
+                )
+            logits = F.linear(h, head.weight)
+            if targets is None:
+                return logits
+            return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
+        # f: the head is column-parallel over the vocabulary, so dL/dh is all-reduced in backward
+        # (SP: all-gathered along the sequence in forward, reduce-scattered in backward).
+        if sp:
+            logits = all_gather_linear(h, [head.weight], [None], self.group)[0]  # [b, s, Vp/t]
+        else:
+            logits = column_parallel_linear(
+                h, head.weight, None, self.group, async_grad_allreduce=self.config.overlap_comm
+            )
+        if targets is None:
+            return logits
+        losses = vocab_parallel_cross_entropy(  # inplace: these logits are ours alone
+            logits, targets, self.config.vocab_size, self.group, IGNORE, inplace=True
+        )
+        return losses.sum() / (targets != IGNORE).sum().clamp_min(1)
+
+    def full_logits(self, ids: torch.Tensor) -> torch.Tensor:
+        """Logits over the whole vocabulary [b, s, V] on every rank (gathers if vocab-parallel)."""
+        logits = self(ids)
+        if self.config.vocab_parallel:
+            return gather_logits(logits, self.config.vocab_size, self.group)
+        return logits
+
+    def grad_norm(self) -> torch.Tensor:
+        """L2 norm of the whole (dense) model's gradient, on every rank. 1 all-reduce.
+
+        Each rank sums the squares of its own gradients, dividing by how many ranks hold a copy
+        of each element (replicated norms and biases: t; shards: 1; replicated KV heads: their
+        replica count), so after the all-reduce every element is counted exactly once. Clipping
+        with a norm that counts replicated parameters t times (or shards only once) is a bug.
+        """
+        return collectives.all_reduce(self.squared_grad_sum(), self.group).sqrt()
+
+    def squared_grad_sum(self, skip: nn.Parameter | None = None) -> torch.Tensor:
+        """This rank's share of the squared gradient norm (float64 scalar, no communication):
+        each element's square divided by its number of copies; `skip` is left out."""
+        sq = torch.zeros((), dtype=torch.float64, device=next(self.parameters()).device)
+        for name, p in self.named_parameters():
+            if p.grad is not None and p is not skip:
+                copies = self._copies.get(name, self.tp)
+                if isinstance(copies, torch.Tensor) and copies.device != p.grad.device:
+                    # e.g. built on the CPU, then moved: build_model's .to(device())
+                    copies = self._copies[name] = copies.to(p.grad.device)
+                sq += (p.grad.double().square() / copies).sum()
+        return sq
+
+    def _count_copies(self) -> dict[str, float | torch.Tensor]:
+        """{parameter name: ranks holding a copy} for the parameters that are not fully
+        replicated. Keyed by name, which survives .to() and to_empty() (they may replace the
+        Parameter objects). The counts are on the device the model is built on (usually the
+        CPU); squared_grad_sum moves a count to its gradient's device.
+        """
+        copies: dict[str, float | torch.Tensor] = {}
+        for prefix, m in self.named_modules():
+            at = f"{prefix}." if prefix else ""
+            if isinstance(m, (ColumnParallelLinear, VocabParallelEmbedding)):
+                copies.update({at + n: 1.0 for n, _ in m.named_parameters(recurse=False)})
+            elif isinstance(m, RowParallelLinear):
+                copies[at + "weight"] = 1.0  # its bias is replicated
+            elif isinstance(m, ParallelAttention):
+                d = m.head_dim
+                rows = torch.ones(m.qkv_weight.shape[0], dtype=torch.float64)
+                rows[len(m.q_heads) * d :] = m.kv_replicas
+                copies[at + "qkv_weight"] = rows.to(m.qkv_weight.device)[:, None]
+                if m.qkv_bias is not None:
+                    copies[at + "qkv_bias"] = rows.to(m.qkv_bias.device)
+        return copies
+
+    def sync_grads(self, sequence_parallel_grads: bool = True) -> None:
+        """Gradient fix-ups TP needs after backward, over the TP group: replicated KV heads
+        (tp > n_kv_heads; 1 all-reduce per block) and, with sequence parallelism, the parameters
+        that saw only a sequence shard (norms, row-parallel biases, learned positions; 1
+        all-reduce for all of them).
+
+        sequence_parallel_grads=False skips the latter: the real bug lesson 08 demonstrates
+        (Megatron-LM #1446, gpt-neox #1257). Never pass it otherwise.
+        """
+        for block in self.blocks:
+            block.attn.allreduce_replicated_kv_grads()
+        if self.sequence_parallel and sequence_parallel_grads:
+            with tracer.phase("grad_sync"):
+                allreduce_sequence_parallel_grads(sequence_parallel_params(self), self.group)
+
+    def gather_state_dict(self, grads: bool = False) -> dict[str, torch.Tensor]:
+        """The dense state dict (or dense-layout gradients) with DenseGPT's keys. Collective.
+
+        A pipeline stage returns only the keys it holds (blocks under their global index).
+        """
+        out: dict[str, torch.Tensor] = {}
+
+        def put(name: str, value: torch.Tensor | None) -> None:
+            if value is not None:
+                out[name] = value.detach().clone()
+
+        def replicated(prefix: str, module: nn.Module) -> None:
+            for n, p in module.named_parameters():
+                put(f"{prefix}.{n}", p.grad if grads else p)
+
+        if self.first:
+            put("tok_emb.weight", _embedding_dense(self.tok_emb, grads))
+        if self.pos_emb is not None:
+            replicated("pos_emb", self.pos_emb)
+        for i, b in zip(self.layer_ids, self.blocks, strict=True):
+            pre = f"blocks.{i}"
+            replicated(f"{pre}.norm1", b.norm1)
+            replicated(f"{pre}.norm2", b.norm2)
+            put(f"{pre}.attn.qkv.weight", b.attn.dense_qkv_weight(grads))
+            put(f"{pre}.attn.qkv.bias", b.attn.dense_qkv_bias(grads))
+            put(f"{pre}.attn.out.weight", b.attn.out_proj.dense_weight(grads))
+            put(f"{pre}.attn.out.bias", b.attn.out_proj.dense_bias(grads))
+            for name in ("fc1", "up", "fc2"):
+                layer = getattr(b.mlp, name)
+                if layer is not None:
+                    put(f"{pre}.mlp.{name}.weight", layer.dense_weight(grads))
+                    put(f"{pre}.mlp.{name}.bias", layer.dense_bias(grads))
+        if self.last:
+            replicated("norm_f", self.norm_f)
+        if self.lm_head is not None and not self.config.tie_embeddings:
+            put("lm_head.weight", _embedding_dense(self.lm_head, grads))
+        return out
+
+
+def _embedding_dense(emb: nn.Module, grads: bool) -> torch.Tensor:
+    if isinstance(emb, VocabParallelEmbedding):
+        return emb.dense_grad() if grads else emb.dense_weight()
+    return emb.weight.grad if grads else emb.weight

@@ -1,0 +1,218 @@
+"""Data parallelism (数据并行): every DP rank holds the same model, sees its own slice of the
+batch, and the gradients are averaged before the optimizer step.
+
+    DataParallel(model, group)   gradient all-reduce in buckets, launched from backward hooks
+    ZeRO1(param_groups, group)   optimizer states sharded over the DP ranks (ZeRO stage 1)
+
+Buckets: parameters are grouped in reverse registration order (roughly the order backward
+produces their gradients) into buckets of about `bucket_numel` elements. A hook registered with
+`register_post_accumulate_grad_hook` counts the gradients that arrived; when a bucket is full its
+gradients are flattened and an *asynchronous* all-reduce starts, while autograd keeps computing the
+earlier layers' gradients: communication overlaps the rest of backward (the tracer sees these
+all-reduces in the 'backward' phase). `finish()` waits for them and writes the averages back.
+
+Per step: one all-reduce per bucket, Σ bucket sizes = all parameters (ring: 2·(N-1)/N of the
+gradient bytes sent per rank). Gradient accumulation: backward inside `no_sync()` only
+accumulates into .grad; the last micro-batch's backward (outside it) reduces the sum.
+Averaging is right when the loss is a mean over each rank's batch: the mean of N per-rank means
+over equal-sized batches is the mean over the global batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Iterator, Sequence
+
+import torch
+import torch._dynamo  # noqa: F401 - optimizers import it (≈3-5 s): once here, not per forked rank
+import torch.distributed as dist
+from torch import nn
+
+from tpedu.comm import collectives
+
+
+def assign_buckets(numels: Sequence[int], bucket_numel: int) -> list[list[int]]:
+    """Group parameter indices into buckets, walking from the LAST parameter to the first (the
+    order backward produces gradients); a bucket closes as soon as it holds ≥ bucket_numel
+    elements. numels [7, 3, 5, 2], bucket_numel 6 -> [[3, 2], [1, 0]]."""
+    if bucket_numel < 1:
+        raise ValueError(f"bucket_numel must be at least 1, got {bucket_numel}")
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    for i in reversed(range(len(numels))):
+        current.append(i)
+        if sum(numels[j] for j in current) >= bucket_numel:
+            buckets.append(current)
+            current = []
+    return buckets + [current] if current else buckets
+
+
+def allreduce_bucket(grads: Sequence[torch.Tensor],
+                     group: dist.ProcessGroup | None = None) -> list[torch.Tensor]:  # fmt: skip
+    """Average tensors of any shapes over the group with ONE all-reduce: flatten them into one
+    buffer, all-reduce it, divide by the group size, and cut it back into the original shapes.
+    Returns new tensors (the inputs are unchanged)."""
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    collectives.all_reduce(flat, group)
+    flat /= dist.get_world_size(group)
+    out, offset = [], 0
+    for g in grads:
+        out.append(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+    return out
+
+
+class _Bucket:
+    def __init__(self, params: list[nn.Parameter]) -> None:
+        self.params = params
+        self.ready = 0
+        self.buf: torch.Tensor | None = None
+        self.work: dist.Work | None = None
+
+
+class DataParallel:
+    """Average the gradients of `module` over the DP `group`, bucket by bucket, during backward.
+
+    Usage per step:
+        loss.backward()        # buckets all-reduce as soon as their gradients are complete
+        dp.finish()            # wait; .grad now holds the average over the DP ranks
+    With accumulation: `with dp.no_sync(): loss_i.backward()` for all but the last micro-batch.
+    Every DP rank must run the same backward (same graph), so buckets start in the same order.
+    """
+
+    def __init__(self, module: nn.Module, group: dist.ProcessGroup | None = None,
+                 bucket_numel: int = 2**16) -> None:  # fmt: skip
+        self.module, self.group = module, group
+        self.size = dist.get_world_size(group)
+        self.sync = True
+        params = [p for p in module.parameters() if p.requires_grad]
+        self.buckets = [_Bucket([params[i] for i in b])
+                        for b in assign_buckets([p.numel() for p in params], bucket_numel)]  # fmt: skip
+        self.launched: list[_Bucket] = []  # in launch order (the same on every DP rank)
+        for bucket in self.buckets:
+            for p in bucket.params:
+                p.register_post_accumulate_grad_hook(self._hook(bucket))
+
+    def _hook(self, bucket: _Bucket) -> Callable[[torch.Tensor], None]:
+        def hook(_: torch.Tensor) -> None:
+            if not self.sync:
+                return
+            bucket.ready += 1
+            if bucket.ready == len(bucket.params):
+                self._launch(bucket)
+
+        return hook
+
+    def _launch(self, bucket: _Bucket) -> None:
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
+        bucket.buf = torch.cat([g.reshape(-1) for g in grads])  # one message, not one per tensor
+        if self.size > 1:
+            bucket.work = collectives.all_reduce(bucket.buf, self.group, async_op=True)
+        self.launched.append(bucket)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward inside this only accumulates gradients (no all-reduce)."""
+        self.sync = False
+        try:
+            yield
+        finally:
+            self.sync = True
+
+    def finish(self) -> None:
+        """Start any bucket whose gradients never all arrived (unused parameters), wait for all,
+        and write each averaged gradient back into .grad."""
+        for bucket in self.buckets:
+            if bucket not in self.launched:
+                self._launch(bucket)
+        for bucket in self.launched:
+            if bucket.work is not None:
+                bucket.work.wait()
+            offset = 0
+            for p in bucket.params:
+                g = bucket.buf[offset : offset + p.numel()].view_as(p) / self.size
+                if p.grad is None:
+                    p.grad = g.clone()
+                else:
+                    p.grad.copy_(g)
+                offset += p.numel()
+            bucket.ready, bucket.buf, bucket.work = 0, None, None
+        self.launched = []
+
+
+class ZeRO1:
+    """ZeRO stage 1: each DP rank keeps optimizer states only for the parameters it owns.
+
+    Parameters are assigned whole, greedily (largest first, to the least-loaded rank), so each
+    rank's optimizer states are about 1/N of the total. Every rank still holds full averaged
+    gradients (DataParallel); `step()` updates the owned parameters, then each owner broadcasts
+    its parameters (one flattened broadcast per DP rank) so all replicas are identical again.
+    The update of a parameter is the same arithmetic as with an unsharded optimizer: ZeRO-1
+    matches plain DP bit for bit.
+    """
+
+    def __init__(self, param_groups: Iterable[dict], group: dist.ProcessGroup | None = None,
+                 optimizer: type[torch.optim.Optimizer] = torch.optim.AdamW,
+                 **defaults: object) -> None:  # fmt: skip
+        self.group = group
+        self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.ranks = dist.get_process_group_ranks(group) if group is not None else None
+        groups = [dict(g, params=list(g["params"])) for g in param_groups]
+        every = [p for g in groups for p in g["params"]]
+        load = [0] * self.size
+        self.owner: dict[int, int] = {}
+        for p in sorted(every, key=lambda q: -q.numel()):  # stable: ties keep model order
+            r = min(range(self.size), key=lambda i: load[i])
+            self.owner[id(p)] = r
+            load[r] += p.numel()
+        self.params = every
+        owned = [dict(g, params=[p for p in g["params"] if self.owner[id(p)] == self.rank])
+                 for g in groups]  # fmt: skip
+        owned = [g for g in owned if g["params"]]
+        self.inner = optimizer(owned, **defaults) if owned else None
+        # lr schedules set g["lr"] on these; a rank without parameters keeps plain dicts
+        self.param_groups = self.inner.param_groups if self.inner else [dict(defaults)]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Update the owned parameters, then broadcast every rank's parameters from it."""
+        if self.inner is not None:
+            self.inner.step()
+        for r in range(self.size):
+            mine = [p for p in self.params if self.owner[id(p)] == r]
+            if not mine or self.size == 1:
+                continue
+            flat = torch.cat([p.reshape(-1) for p in mine])
+            src = self.ranks[r] if self.ranks is not None else r
+            collectives.broadcast(flat, src, self.group)
+            offset = 0
+            for p in mine:
+                p.copy_(flat[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
+
+    def state_numel(self) -> int:
+        """Elements of optimizer state held by this rank (AdamW: 2 per owned parameter)."""
+        if self.inner is None:
+            return 0
+        return sum(v.numel() for s in self.inner.state.values() for v in s.values()
+                   if torch.is_tensor(v) and v.dim() > 0)  # fmt: skip
+
+
+def allreduce_grads(params: Iterable[nn.Parameter], group: dist.ProcessGroup | None = None) -> int:
+    """The unbucketed baseline: one blocking all-reduce per parameter, after backward.
+
+    Averages each .grad over the group; returns the number of all-reduces run."""
+    n, size = 0, dist.get_world_size(group)
+    for p in params:
+        if p.grad is not None:
+            collectives.all_reduce(p.grad, group)
+            p.grad.div_(size)
+            n += 1
+    return n

@@ -1,0 +1,233 @@
+"""The 3D device mesh: which global ranks form each TP, PP and DP group.
+
+A layout (tp, pp, dp) puts world = tp·pp·dp ranks on a grid. TP varies fastest, then PP, then
+DP:
+
+    rank = tp_rank + tp · (pp_rank + pp · dp_rank)
+
+so the tp ranks of one TP group are consecutive global ranks: on a cluster they sit in one node
+(TP all-reduces run in every layer, forward and backward, and need the fastest links), while PP
+(point-to-point between neighbouring stages) and DP (one gradient all-reduce per step) cross
+nodes.
+
+Groups:
+    tp   ranks that differ only in tp_rank (one pipeline stage of one replica)
+    pp   ranks that differ only in pp_rank (one pipeline: stage 0 → stage pp-1)
+    dp   ranks that differ only in dp_rank (replicas of the same shard: gradients are averaged)
+    emb  the first and last stage of one pipeline (same tp_rank, dp_rank), when pp > 1: the
+         tied embedding's two copies have their gradients summed over it
+
+`torch.distributed.new_group` is collective over the WHOLE world: every rank must create every
+group, in the same order, even the groups it is not in. `Mesh` does exactly that.
+
+The second seed builds its "TP group" as `[r for r in range(world) if r % tp == tp_rank]`: those
+are the ranks with the same tp_rank, i.e. a DP group (at pp = 1), not a TP group. `seed_tp_group`
+reproduces it so lesson 12 can show the difference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from tpedu.comm import collectives
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A (tp, pp, dp) layout of tp·pp·dp ranks; TP varies fastest, then PP, then DP."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "dp"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def check_world(self, world: int) -> None:
+        """Raise a ValueError if this layout does not use exactly `world` ranks."""
+        if self.world != world:
+            raise ValueError(
+                f"tp·pp·dp = {self.tp}·{self.pp}·{self.dp} = {self.world} does not match the "
+                f"world size {world}; choose tp, pp, dp whose product is {world} "
+                f"(each a divisor of it: {_divisors(world)})"
+            )
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """Global rank -> (tp_rank, pp_rank, dp_rank)."""
+        if not 0 <= rank < self.world:
+            raise ValueError(f"rank {rank} is outside [0, {self.world})")
+        return rank % self.tp, (rank // self.tp) % self.pp, rank // (self.tp * self.pp)
+
+    def rank(self, tp_rank: int, pp_rank: int, dp_rank: int) -> int:
+        """(tp_rank, pp_rank, dp_rank) -> global rank."""
+        return tp_rank + self.tp * (pp_rank + self.pp * dp_rank)
+
+    def tp_groups(self) -> list[list[int]]:
+        """Every TP group (consecutive ranks), in a fixed order."""
+        return [[self.rank(t, p, d) for t in range(self.tp)]
+                for d in range(self.dp) for p in range(self.pp)]  # fmt: skip
+
+    def pp_groups(self) -> list[list[int]]:
+        """Every pipeline (stage 0 first), in a fixed order."""
+        return [[self.rank(t, p, d) for p in range(self.pp)]
+                for d in range(self.dp) for t in range(self.tp)]  # fmt: skip
+
+    def dp_groups(self) -> list[list[int]]:
+        """Every set of replicas of one shard, in a fixed order."""
+        return [[self.rank(t, p, d) for d in range(self.dp)]
+                for p in range(self.pp) for t in range(self.tp)]  # fmt: skip
+
+    def emb_groups(self) -> list[list[int]]:
+        """[first stage, last stage] of every pipeline (empty when pp = 1: nothing to tie)."""
+        return [[g[0], g[-1]] for g in self.pp_groups()] if self.pp > 1 else []
+
+    def groups(self) -> dict[str, list[list[int]]]:
+        """{'tp': ..., 'pp': ..., 'dp': ..., 'emb': ...}: every group of every kind."""
+        return {"tp": self.tp_groups(), "pp": self.pp_groups(), "dp": self.dp_groups(),
+                "emb": self.emb_groups()}  # fmt: skip
+
+
+def rank_groups(tp: int, pp: int, dp: int) -> dict[str, list[list[int]]]:
+    """Every TP, PP, DP and emb group of a (tp, pp, dp) layout, as lists of global ranks."""
+    return Layout(tp, pp, dp).groups()
+
+
+def seed_tp_group(world: int, tp: int, rank: int) -> list[int]:
+    """The second seed's 'TP group' for `rank`: ranks with the same tp_rank (a DP group at
+    pp = 1; with pp > 1 it also spans stages). Never a TP group."""
+    tp_rank = rank % tp
+    return [r for r in range(world) if r % tp == tp_rank]
+
+
+class Mesh:
+    """This rank's view of a layout: its coordinates and its TP, PP, DP (and emb) groups.
+
+    Must be constructed on every rank of the world (it calls `dist.new_group` for every group,
+    in the same order everywhere). A group of one rank still exists (a size-1 all-reduce is a
+    no-op), so code can use every group unconditionally.
+    """
+
+    def __init__(self, layout: Layout) -> None:
+        layout.check_world(dist.get_world_size())
+        self.layout = layout
+        self.rank = dist.get_rank()
+        self.tp_rank, self.pp_rank, self.dp_rank = layout.coords(self.rank)
+        self.groups: dict[str, dist.ProcessGroup] = {}
+        self.members: dict[str, list[int]] = {}
+        # Gradients travel backwards on their own group (channel), so an activation and a
+        # gradient between the same two ranks (pp = 2, interleaved) can never be confused.
+        kinds = {**layout.groups(), "pp_grad": layout.pp_groups()}
+        for kind in ("tp", "pp", "pp_grad", "dp", "emb"):
+            for ranks in kinds[kind]:
+                g = dist.new_group(ranks)  # collective: every rank, every group, same order
+                if self.rank in ranks:
+                    name = "pp" if kind == "pp_grad" else kind
+                    self.groups[kind] = collectives.name_group(g, name)
+                    self.members[kind] = ranks
+        self.groups.setdefault("emb", None)
+        self.members.setdefault("emb", [])
+
+    tp_group = property(lambda self: self.groups["tp"])
+    pp_group = property(lambda self: self.groups["pp"])
+    dp_group = property(lambda self: self.groups["dp"])
+    emb_group = property(lambda self: self.groups["emb"])
+
+    @property
+    def first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def last_stage(self) -> bool:
+        return self.pp_rank == self.layout.pp - 1
+
+    def __repr__(self) -> str:
+        lay = self.layout
+        return (f"Mesh(rank {self.rank}: tp {self.tp_rank}/{lay.tp}, pp {self.pp_rank}/{lay.pp}, "
+                f"dp {self.dp_rank}/{lay.dp})")  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------- pictures
+
+
+def draw_layout(layout: Layout, gpus_per_node: int = 8, highlight: int = 0, ax=None):  # noqa: ANN001, ANN201
+    """Draw the rank grid: one square per rank, grouped into nodes; `highlight`'s groups outlined.
+
+    Columns are tp ranks within a stage (×pp stages), rows are dp replicas. Returns the axes.
+    """
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
+
+    cols, rows = layout.tp * layout.pp, layout.dp
+    if ax is None:
+        _, ax = plt.subplots(figsize=(min(14, 1.0 + 0.55 * cols), min(9, 1.0 + 0.55 * rows)))
+    colors = plt.get_cmap("tab20")
+    members = {k: next((g for g in gs if highlight in g), []) for k, gs in layout.groups().items()}
+    for r in range(layout.world):
+        t, p, d = layout.coords(r)
+        x, y = p * layout.tp + t, rows - 1 - d
+        node = r // gpus_per_node
+        ax.add_patch(Rectangle((x + 0.05, y + 0.05), 0.9, 0.9, color=colors(node % 20), alpha=0.55))
+        ax.text(x + 0.5, y + 0.5, str(r), ha="center", va="center", fontsize=7)
+    styles = {"tp": ("red", 2.5), "pp": ("blue", 1.8), "dp": ("green", 1.2)}
+    for kind, (color, width) in styles.items():
+        for r in members[kind]:
+            t, p, d = layout.coords(r)
+            x, y = p * layout.tp + t, rows - 1 - d
+            ax.add_patch(Rectangle((x + 0.05, y + 0.05), 0.9, 0.9, fill=False, edgecolor=color,
+                                   linewidth=width))  # fmt: skip
+    for p in range(1, layout.pp):
+        ax.axvline(p * layout.tp, color="black", linewidth=1.5)
+    ax.set_xlim(0, cols)
+    ax.set_ylim(0, rows)
+    ax.set_xticks([p * layout.tp + layout.tp / 2 for p in range(layout.pp)])
+    ax.set_xticklabels([f"stage {p}" for p in range(layout.pp)])
+    ax.set_yticks([rows - 1 - d + 0.5 for d in range(rows)])
+    ax.set_yticklabels([f"dp {d}" for d in range(rows)])
+    ax.set_aspect("equal")
+    nodes = -(-layout.world // gpus_per_node)
+    ax.set_title(f"tp={layout.tp} pp={layout.pp} dp={layout.dp}: {layout.world} ranks on {nodes} "
+                 f"node(s) of {gpus_per_node} (colour = node); rank {highlight}: "
+                 "red TP, blue PP, green DP", fontsize=9)  # fmt: skip
+    return ax
+
+
+def layout_widget(world: int = 128, gpus_per_node: int = 8):  # noqa: ANN201
+    """Pick tp, pp (dp = world / (tp·pp)) and a rank; redraw the grid and print its groups."""
+    import ipywidgets as widgets
+    import matplotlib.pyplot as plt
+
+    divs = [d for d in range(1, world + 1) if world % d == 0]
+    tp = widgets.Dropdown(options=divs, value=4 if 4 in divs else 1, description="tp")
+    pp = widgets.Dropdown(options=divs, value=4 if 4 in divs else 1, description="pp")
+    rank = widgets.BoundedIntText(value=0, min=0, max=world - 1, description="rank")
+    out = widgets.Output()
+
+    def redraw(_: object = None) -> None:
+        with out:
+            out.clear_output(wait=True)
+            if world % (tp.value * pp.value):
+                print(f"tp·pp = {tp.value * pp.value} does not divide {world}")
+                return
+            lay = Layout(tp.value, pp.value, world // (tp.value * pp.value))
+            draw_layout(lay, gpus_per_node, rank.value)
+            plt.show()
+            for kind, groups in lay.groups().items():
+                mine = next((g for g in groups if rank.value in g), None)
+                print(f"{kind:>3} group of rank {rank.value}: {mine}")
+
+    for w in (tp, pp, rank):
+        w.observe(redraw, names="value")
+    redraw()
+    return widgets.VBox([widgets.HBox([tp, pp, rank]), out])

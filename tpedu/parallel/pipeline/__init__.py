@@ -1,0 +1,51 @@
+"""Pipeline parallelism (lesson 10): pure schedules, and the runtime that runs them on ranks."""
+
+from tpedu.parallel.pipeline.runtime import (
+    Pipe,
+    PipelineTimeout,
+    StepResult,
+    build_stage_chunks,
+    run_schedule,
+    sync_tied_grads,
+)
+from tpedu.parallel.pipeline.schedules import (
+    Action,
+    Event,
+    bubble_formula,
+    bubble_fraction,
+    gpipe,
+    head_cost,
+    interleaved,
+    one_f_one_b,
+    partition,
+    peak_in_flight,
+    plot_timeline,
+    schedule,
+    simulate,
+    stage_layers,
+    stage_of,
+)
+
+__all__ = [
+    "Action",
+    "Event",
+    "Pipe",
+    "PipelineTimeout",
+    "StepResult",
+    "bubble_formula",
+    "bubble_fraction",
+    "build_stage_chunks",
+    "gpipe",
+    "head_cost",
+    "interleaved",
+    "one_f_one_b",
+    "partition",
+    "peak_in_flight",
+    "plot_timeline",
+    "run_schedule",
+    "schedule",
+    "simulate",
+    "stage_layers",
+    "stage_of",
+    "sync_tied_grads",
+]

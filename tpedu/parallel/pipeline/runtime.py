@@ -1,0 +1,191 @@
+"""TODO"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tpedu.comm import collectives
+from tpedu.parallel.pipeline.schedules import Action, Event, _parts, stage_layers
+
+
+@dataclass
+class Pipe:
+    """This rank's place in one pipeline: stage index, the global ranks of all stages, and the
+    groups activations (forward) and gradients (backward) travel on."""
+
+    stage: int
+    ranks: list[int]
+    fwd_group: dist.ProcessGroup | None
+    bwd_group: dist.ProcessGroup | None
+
+    @classmethod
+    def from_mesh(cls, mesh) -> Pipe:  # noqa: ANN001 - tpedu.parallel.mesh.Mesh (no import cycle)
+        return cls(mesh.pp_rank, mesh.members["pp"], mesh.groups["pp"], mesh.groups["pp_grad"])
+
+    @property
+    def stages(self) -> int:
+        return len(self.ranks)
+
+
+class PipelineTimeout(RuntimeError):
+    """A stage waited too long for an activation or a gradient (a hang, named precisely)."""
+
+
+@dataclass
+class StepResult:
+    """What one pipelined step gave this rank."""
+
+    loss: torch.Tensor | None  # the mean loss over micro-batches (last stage), else None
+    events: list[Event] = field(default_factory=list)
+    peak_in_flight: int = 0
+
+
+def run_schedule(
+    chunks: Sequence[nn.Module],
+    actions: Sequence[Action],
+    pipe: Pipe,
+    inputs: Sequence[torch.Tensor] | None,
+    targets: Sequence[torch.Tensor] | None,
+    hidden_shape: Sequence[int],
+    dtype: torch.dtype = torch.float32,
+    step: int = 0,
+    no_sync: Callable[[], object] | None = None,
+    recv_timeout: float | None = None,
+) -> StepResult:
+    """Run this rank's `actions` on its model `chunks`; backward leaves gradients in .grad.
+
+    chunks[c] is virtual stage c·p + stage: chunk(x, targets, step=) -> hidden [b, s, H], or the
+    mean loss on the last virtual stage. inputs[mb] (ids [b, s]) are needed on the first stage,
+    targets[mb] on the last; hidden_shape = [b, s, H] of one micro-batch's activations.
+    The returned loss is Σ_mb loss_mb / m: the mean over micro-batches, as one big batch gives
+    when every micro-batch has the same number of counted tokens.
+    `no_sync()` (e.g. DataParallel.no_sync) wraps every backward except the last micro-batch's,
+    so gradient all-reduces run once, in the last backward. Without backward actions this is a
+    forward-only pass (evaluation: call it under torch.no_grad()).
+    Communication per micro-batch and stage boundary: forward 1 send/recv of [b, s, H];
+    backward 1 send/recv of its gradient.
+    """
+    p, s = pipe.stages, pipe.stage
+    last_vs = p * len(chunks) - 1
+    n_micro = 1 + max(_parts(a)[1] for a in actions)
+    device = next(chunks[0].parameters()).device
+    prev_rank, next_rank = pipe.ranks[(s - 1) % p], pipe.ranks[(s + 1) % p]
+    sends: list[tuple[dist.Work, torch.Tensor]] = []
+    stash: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+    loopback: dict[tuple[str, int, int], torch.Tensor] = {}  # p = 1: chunk to chunk, no comm
+    events: list[Event] = []
+    total: torch.Tensor | None = None
+    peak = 0
+
+    def clock() -> float:
+        # On CUDA, work is queued: wait for this rank's compute stream (which a finished
+        # irecv's wait() also orders) so events time the work, not its launch. NCCL's own
+        # streams are not waited for: a pending isend must not block the clock.
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
+        return time.perf_counter()
+
+    def receive(src: int, group: dist.ProcessGroup | None, what: str) -> torch.Tensor:
+        buf = torch.empty(tuple(hidden_shape), dtype=dtype, device=device)
+        t = clock()
+        work = collectives.irecv(buf, src, group)
+        try:
+            if recv_timeout is None:
+                work.wait()
+            else:
+                work.wait(datetime.timedelta(seconds=recv_timeout))
+        except RuntimeError as e:
+            raise PipelineTimeout(
+                f"pipeline stage {s} (rank {pipe.ranks[s]}) gave up waiting for {what} from rank "
+                f"{src}: the stages' schedules do not match (a send without its receive), or a "
+                f"stage before it failed. ({str(e).splitlines()[0][:120]})"
+            ) from e
+        events.append(Event(s, "wait", -1, -1, t, clock()))
+        return buf
+
+    for action in actions:
+        kind, mb, c = _parts(action)
+        vs = c * p + s
+        if kind == "F":
+            if vs == 0:
+                x = inputs[mb]
+            else:
+                x = (
+                    loopback.pop(("F", mb, vs))
+                    if p == 1
+                    else receive(prev_rank, pipe.fwd_group, f"the activation of micro-batch {mb}")
+                )
+                x.requires_grad_(torch.is_grad_enabled())
+            t = clock()
+            out = chunks[c](x, targets[mb] if vs == last_vs else None, step=step)
+            events.append(Event(s, "F", mb, c, t, clock()))
+            if vs == last_vs:
+                out = out / n_micro
+                total = out.detach() if total is None else total + out.detach()
+            else:
+                y = out.detach().contiguous()
+                if p == 1:  # one stage, several chunks: the next virtual stage is on this rank
+                    loopback[("F", mb, vs + 1)] = y
+                else:
+                    sends.append((collectives.isend(y, next_rank, pipe.fwd_group), y))
+            if torch.is_grad_enabled():
+                stash[(mb, c)] = (x, out)
+                peak = max(peak, len(stash))
+        else:
+            x, out = stash.pop((mb, c))
+            grad = None
+            if vs != last_vs and p == 1:
+                grad = loopback.pop(("B", mb, vs))
+            elif vs != last_vs:
+                grad = receive(next_rank, pipe.bwd_group, f"the gradient of micro-batch {mb}")
+            sync = no_sync is None or mb == n_micro - 1
+            t = clock()
+            with nullcontext() if sync else no_sync():
+                torch.autograd.backward(out, grad)
+            events.append(Event(s, "B", mb, c, t, clock()))
+            if vs > 0:
+                g = x.grad.contiguous()
+                if p == 1:
+                    loopback[("B", mb, vs - 1)] = g
+                else:
+                    sends.append((collectives.isend(g, prev_rank, pipe.bwd_group), g))
+    for work, _ in sends:
+        work.wait()
+    return StepResult(total, events, peak)
+
+
+def build_stage_chunks(dense: nn.Module, tp_group: dist.ProcessGroup | None, stage: int,
+                       stages: int, chunks: int = 1) -> list[nn.Module]:  # fmt: skip
+    """This rank's TPGPT chunks: chunk c holds the layers of virtual stage c·stages + stage."""
+    from tpedu.model.gpt import TPGPT
+
+    parts = stage_layers(dense.config, stages * chunks)
+    return [TPGPT(dense, tp_group, layers=parts[c * stages + stage]) for c in range(chunks)]
+
+
+def sync_tied_grads(chunks: Sequence[nn.Module], emb_group: dist.ProcessGroup | None) -> None:
+    """Sum the gradients of the tied embedding's two copies (first stage's table, last stage's
+    head). Both on this rank (one stage, several chunks): added locally; else 1 all-reduce over
+    the emb group ([first stage, last stage]) of the table (its vocab shard). No-op if untied."""
+    first = next((m for m in chunks if m.first and not m.last), None)
+    last = next((m for m in chunks if m.last and not m.first), None)
+    if not chunks[0].config.tie_embeddings or (first is None and last is None):
+        return
+    params = [m.tok_emb.weight for m in (first,) if m] + [m.lm_head.weight for m in (last,) if m]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    if len(params) == 2:
+        total = params[0].grad + params[1].grad
+        params[0].grad.copy_(total)
+        params[1].grad.copy_(total)
+    else:
+        collectives.all_reduce(params[0].grad, emb_group)

@@ -1,0 +1,46 @@
+"""TODO"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+import torch._dynamo  # noqa: F401 - the optimizers import it (≈3-5 s): once here, not per forked rank
+
+from tpedu.launcher import device
+from tpedu.model.config import GPTConfig
+from tpedu.model.gpt import TPGPT
+from tpedu.tp.vocab_parallel import sample, vocab_parallel_sample
+
+
+@torch.no_grad()
+def generate(config: GPTConfig, state: dict[str, torch.Tensor], prompt_ids: list[int], max_new_tokens: int,
+             temperature: float = 0.8, top_k: int | None = 50, seed: int = 0) -> list[int]:  # fmt: skip
+    """Continue `prompt_ids` on every rank of the TP group; every rank returns the same ids.
+
+    Sampling never looks at one shard's logits alone (that picks the wrong token): it uses the
+    vocab-parallel sampler, with the same generator seed on every rank; the noise comes from a
+    CPU generator on every backend, so a tp=1 run on a GPU and a tp=2 run on CPU ranks draw the
+    same noise (the text then differs only where the logits' rounding does). The config's
+    training-only layout (sequence parallelism, recompute, overlap) is turned off first: the
+    growing sequence is not always divisible by tp, and the tensors are the same either way.
+    """
+    config = generation_config(config)
+    model = TPGPT.from_state_dict(config, state).to(device())
+    model.eval()
+    gen = torch.Generator().manual_seed(seed)  # CPU noise: the same tokens on CPU and CUDA ranks
+    ids = torch.tensor([prompt_ids], dtype=torch.long, device=device())
+    for _ in range(max_new_tokens):
+        logits = model(ids[:, -config.seq_len :])[:, -1]  # [1, Vp/t] (or [1, V] if replicated)
+        if config.vocab_parallel:
+            nxt = vocab_parallel_sample(logits, config.vocab_size, gen, temperature, top_k)
+        else:
+            nxt = sample(logits, gen, temperature, top_k)
+        ids = torch.cat([ids, nxt.view(1, 1)], dim=1)
+    return ids[0].tolist()
+
+
+def generation_config(config: GPTConfig) -> GPTConfig:
+    """`config` for inference: sequence parallelism, recompute and overlap off. These fields
+    (checkpoint.LAYOUT_ONLY) never change the tensors, only how training runs."""
+    return replace(config, sequence_parallel=False, recompute="none", overlap_comm=False)
