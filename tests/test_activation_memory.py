@@ -10,8 +10,8 @@ from torch import nn
 
 from tpedu import launch
 from tpedu.analysis.activation_memory import (
+    LayerCase,
     SavedTensorCounter,
-    Shape,
     formula_bytes,
     known_extras,
     measure_rows,
@@ -26,7 +26,7 @@ ROWS = [(sp, rc) for sp in (False, True) for rc in ("none", "selective", "full")
 
 def _shapes(t):
     rows = ROWS if t > 1 else [(False, rc) for rc in ("none", "selective", "full")]
-    return [Shape(S, B, H, A, t, sp, rc) for sp, rc in rows]
+    return [LayerCase.from_symbols(S, B, H, A, t, sp, rc) for sp, rc in rows]
 
 
 def _worker(t):
@@ -37,16 +37,16 @@ def _worker(t):
 def test_measured_equals_formula_plus_known_extras(t):
     for rank, measurements in enumerate(launch(_worker, t, t)):
         for m in measurements:
-            where = f"{m.shape.label()} rank {rank}"
+            where = f"{m.case.label()} rank {rank}"
             expected = m.expected()
             assert m.by_category == pytest.approx(expected, abs=0), where  # exact, per category
-            extras = known_extras(m.shape, m.itemsize("dropout masks", 2),
+            extras = known_extras(m.case, m.itemsize("dropout masks", 2),
                                   m.itemsize("norm statistics", 4))  # fmt: skip
-            assert m.total == formula_bytes(m.shape) + sum(extras.values()), where
+            assert m.total == formula_bytes(m.case) + sum(extras.values()), where
             # bf16 activations, as in the paper; masks stored in the activation dtype
             floats = {r.dtype for r in m.records if r.category != "causal mask"}
             assert floats <= {torch.bfloat16}, where
-            if m.shape.recompute == "full":  # only the block input: 2sbh (SP: 2sbh/t)
+            if m.case.recompute == "full":  # only the block input: 2sbh (SP: 2sbh/t)
                 assert [r.category for r in m.records] == ["block input"], where
 
 
@@ -55,7 +55,7 @@ def test_measured_equals_formula_plus_known_extras(t):
 @pytest.mark.parametrize("recompute", ["none", "selective", "full"])
 def test_paper_terms_sum_to_the_table(t, sp, recompute):
     """The category split adds up to tpedu.analysis.memory's formula (the paper's Table 2)."""
-    shape = Shape(2048, 4, 4096, 32, t, sp, recompute)
+    shape = LayerCase.from_symbols(2048, 4, 4096, 32, t, sp, recompute)
     assert sum(paper_terms(shape).values()) == pytest.approx(
         activation_bytes_per_layer(2048, 4, 4096, 32, t, sp, recompute), rel=1e-15
     )
@@ -89,11 +89,11 @@ def test_counter_counts_each_storage_once_and_skips_parameters():
 
 def test_bad_shapes_are_clear_errors():
     with pytest.raises(ValueError, match=r"t \| a.*valid t: 1, 2, 3, 6"):
-        Shape(12, 3, 48, 6, t=4)
+        LayerCase.from_symbols(12, 3, 48, 6, t=4)
     with pytest.raises(ValueError, match="sequence parallelism needs t | s"):
-        Shape(10, 1, 48, 6, t=3, sp=True)
+        LayerCase.from_symbols(10, 1, 48, 6, t=3, sp=True)
     with pytest.raises(ValueError, match="recompute must be one of"):
-        Shape(12, 3, 48, 6, recompute="half")
+        LayerCase.from_symbols(12, 3, 48, 6, recompute="half")
 
 
 def test_calculator_overlay_draws_measured_activations_over_the_prediction(monkeypatch):

@@ -7,7 +7,7 @@ failed on tpedu would be a false alarm. Both directions are asserted for every b
 import pytest
 import torch
 
-from tpedu import launch, model
+from tpedu import launch
 from tpedu.course.bugzoo import BUGS, broken, catalogue, run_check
 from tpedu.model import gpt
 from tpedu.parallel import mesh, pipeline

@@ -26,6 +26,7 @@ from tpedu.launcher import RankError
 from tpedu.model.config import GPTConfig
 from tpedu.model.dense import DenseGPT
 from tpedu.model.gpt import TPGPT
+from tpedu.model.state import shard_map
 from tpedu.train.loop import TrainConfig, train, train_3d
 
 V = 41  # prime: the vocab-parallel table is padded at tp = 2 (42 rows) and 4 (44)
@@ -65,9 +66,9 @@ def _rules_worker(configs):
         dense = DenseGPT(config)
         state = dense.state_dict()
         model = TPGPT(dense)
-        params = checkpoint.local_params(model)
-        assert {n for n, _, tied in params if not tied} == set(state)
-        for name, p, _ in params:
+        params = shard_map(model)
+        assert {e.name for e in params if not e.tied_copy} == set(state)
+        for name, p in ((e.name, e.param) for e in params):
             kind = checkpoint.param_kind(name, config)
             mine = checkpoint.split_tensor(state[name], kind, tp, rank, config)
             worst = max(worst, (mine - p.detach()).abs().max().item())  # the model's own shard

@@ -30,3 +30,31 @@ def test_bad_arguments_are_one_line_errors():
     assert p.returncode == 2
     assert p.stderr.strip() == "tpedu: error: --nprocs must be at least 1, got 0"
     assert "Traceback" not in p.stderr
+
+
+def test_a_world_size_mismatch_under_torchrun_is_one_line_from_rank_0():
+    """Both processes of a 2-process torchrun job, environment as torchrun sets it: the check
+    runs before either joins, rank 0 prints the one line, and both exit 2."""
+    import os
+
+    from tpedu.launcher import free_port
+
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+           "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "test"}  # fmt: skip
+    procs = [
+        subprocess.Popen([sys.executable, "-m", "tpedu", "train", "--tp", "4", "--steps", "2"],
+                         env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        for r in range(2)
+    ]  # fmt: skip
+    try:
+        outs = [p.communicate(timeout=60) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert [p.returncode for p in procs] == [2, 2], outs
+    assert outs[0] == ("", "tpedu: error: --tp 4 does not match torchrun's world size 2; pass "
+                           "--tp 2 or start 4 processes\n")  # fmt: skip
+    assert outs[1] == ("", "")

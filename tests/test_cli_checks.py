@@ -13,6 +13,7 @@ from safetensors.torch import save_file
 
 from tests.test_cli_3d import tpedu  # runs the CLI in this process: (exit code, stdout, stderr)
 from tpedu import checkpoint, launch
+from tpedu.cli.commands import main
 from tpedu.model.config import GPTConfig
 from tpedu.model.dense import DenseGPT
 from tpedu.train.data.corpus import novel_data
@@ -148,3 +149,182 @@ def test_resume_layout_is_checked_on_the_checkpoints_layers(tmp_path, capfd):
     four = write_checkpoint(tmp_path / "four", 4)
     one_line_error(capfd, ["train", "--tp", "1", "--pp", "4", *TINY[4:], "--batch", "4",
                            "--resume", str(four)], "has vocab_size 37")  # fmt: skip
+
+
+# ---------------------------------------------------- refused before launch: no rank may start
+
+
+class Launched(Exception):
+    """Raised by the patched launcher: the CLI got as far as starting ranks."""
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    """Starting ranks raises Launched: a refused run never gets there, an accepted one does."""
+    from tpedu.cli import commands
+
+    def launch_refused(*args, **kwargs):
+        raise Launched
+
+    monkeypatch.setattr(commands, "run", launch_refused)
+
+
+def launches(*args):
+    """True if `python -m tpedu *args` passes every check and starts ranks (with no_launch)."""
+    with pytest.raises(Launched):
+        main(list(args))
+    return True
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--lr", "-1"], "--lr must be a positive number (the peak learning rate, e.g. 3e-3), got -1"),
+        (["--lr", "0"], "--lr must be a positive number"),
+        (["--lr", "nan"], "--lr must be a positive number"),
+        (["--min-lr", "-0.0001"], "--min-lr must be a number at least 0"),
+        (["--min-lr", "0.01"], "--min-lr 0.01 is above --lr 0.003"),
+        (["--warmup", "-1"], "--warmup must be at least 0, got -1"),
+        (["--weight-decay", "-0.1"], "--weight-decay must be a number at least 0 (0: no weight "
+                                     "decay), got -0.1"),  # fmt: skip
+        (["--grad-clip", "-1"], "--grad-clip must be a number at least 0 (0: no clipping), got -1"),
+        (["--grad-clip", "inf"], "--grad-clip must be a number at least 0"),
+        (["--eval-batches", "0"], "--eval-batches must be at least 1, got 0"),
+        (["--eval-every", "-1"], "--eval-every must be at least 0, got -1"),
+        (["--save-every", "-2"], "--save-every must be at least 0, got -2"),
+        (["--chunks", "0"], "--chunks must be at least 1, got 0"),
+        (["--tokenizer", "bpe", "--bpe-vocab", "-5"], "--bpe-vocab must be at least 1, got -5"),
+        (["--batch", "-3"], "--batch must be at least 1, got -3"),
+        (["--steps", "-1"], "--steps must be at least 1, got -1"),
+    ],
+)
+def test_bad_train_numbers_fail_before_ranks_start(args, message, no_launch, capfd):
+    one_line_error(capfd, ["train", "--tp", "1", *TINY, *args], message)
+
+
+def test_good_train_numbers_start_the_ranks(no_launch):
+    for args in (["--grad-clip", "0", "--weight-decay", "0", "--warmup", "0", "--min-lr", "0"],
+                 ["--lr", "1e-3", "--min-lr", "1e-3", "--eval-every", "0", "--eval-batches", "1"],
+                 ["--tokenizer", "char", "--bpe-vocab", "-5"]):  # fmt: skip
+        assert launches("train", "--tp", "1", *TINY, *args)
+
+
+def test_train_settings_reach_the_training_loop(monkeypatch):
+    from tpedu.cli import commands
+
+    seen = {}
+
+    def record(fn, n, config, cfg, *args, **kwargs):
+        seen.update(vars(cfg))
+        raise Launched
+
+    monkeypatch.setattr(commands, "run", record)
+    with pytest.raises(Launched):
+        main(["train", "--tp", "1", *TINY])  # the defaults: as before the flags existed
+    assert (seen["min_lr"], seen["warmup"], seen["weight_decay"], seen["grad_clip"],
+            seen["eval_batches"]) == (pytest.approx(3e-4), 1, 0.1, 1.0, 4)  # fmt: skip
+    with pytest.raises(Launched):
+        main(["train", "--tp", "1", *TINY, "--min-lr", "1e-4", "--warmup", "3", "--weight-decay",
+              "0.01", "--grad-clip", "0", "--eval-batches", "2"])  # fmt: skip
+    assert (seen["min_lr"], seen["warmup"], seen["weight_decay"], seen["grad_clip"],
+            seen["eval_batches"]) == (1e-4, 3, 0.01, 0.0, 2)  # fmt: skip
+
+
+def test_a_prompt_the_tokenizer_cannot_encode_fails_before_ranks_start(tmp_path, no_launch,
+                                                                        capfd):  # fmt: skip
+    tok = novel_data("char")[0]
+    write_model_dir(tmp_path / "m", tiny_config(tok.vocab_size), tok)
+    gen = ["generate", "--tp", "1", "--model", str(tmp_path / "m")]
+    one_line_error(capfd, [*gen, "--prompt", "Hello, world €"],
+                   "the prompt has 6 characters the model's tokenizer does not know: 'H', 'e', "
+                   "',', 'w', 'd', '€' (")  # fmt: skip
+    one_line_error(capfd, [*gen, "--prompt", "宝玉€"], "the prompt has 1 character the model's "
+                   "tokenizer does not know: '€' (")  # fmt: skip
+    one_line_error(capfd, [*gen, "--prompt", "".join(chr(0x10000 + i) for i in range(12))],
+                   "'\U00010009' and 2 more (")  # fmt: skip
+    assert launches(*gen, "--prompt", "宝玉 ")  # characters of the novel
+
+
+def test_a_byte_level_bpe_model_takes_any_prompt(tmp_path, capfd):
+    from tpedu.train.data.tokenizer import BPETokenizer
+
+    tok = BPETokenizer.train("满纸荒唐言，一把辛酸泪。\nHello there\n", 300)
+    write_model_dir(tmp_path / "m", tiny_config(tok.vocab_size), tok)
+    code, out, err = tpedu(capfd, "generate", "--tp", "1", "--model", str(tmp_path / "m"),
+                           "--prompt", "Hello, world €", "--max-new-tokens", "2")  # fmt: skip
+    assert code == 0, err
+    assert "Hello, world €" in out  # the prompt, then what the random model added
+
+
+def truncate_a_shard(step_dir):
+    shard = sorted(step_dir.glob("*.safetensors"))[0]
+    with open(shard, "r+b") as f:
+        f.truncate(shard.stat().st_size // 2)
+    return shard
+
+
+def test_a_truncated_resume_checkpoint_fails_before_ranks_start(tmp_path, no_launch, capfd):
+    vocab = novel_data("char")[0].vocab_size  # the checkpoint would otherwise be resumed
+    step = write_checkpoint(tmp_path / "ck", 1, vocab)
+    resume = ["train", "--tp", "1", *TINY, "--resume", str(tmp_path / "ck")]
+    assert launches(*resume)
+    shard = truncate_a_shard(step)
+    one_line_error(capfd, resume, f"{shard} is truncated or overwritten")
+
+
+@pytest.fixture
+def notes(tmp_path):
+    """A directory of someone's files: no model directory."""
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("keep me")
+    return tmp_path / "notes"
+
+
+def test_out_refuses_a_directory_that_is_not_a_model(notes, tmp_path, no_launch, capfd):
+    one_line_error(capfd, ["train", "--tp", "1", *TINY, "--out", str(notes)],
+                   f"--out {notes} exists and is not a model directory (no config.json)")  # fmt: skip
+    assert (notes / "todo.txt").read_text() == "keep me"
+    (tmp_path / "empty").mkdir()
+    write_model_dir(tmp_path / "model", tiny_config(37))
+    for ok in (tmp_path / "new", tmp_path / "empty", tmp_path / "model"):  # nothing to lose
+        assert launches("train", "--tp", "1", *TINY, "--out", str(ok))
+
+
+@pytest.mark.parametrize("to", ["dense", "hf"])
+def test_reshard_exports_refuse_a_directory_that_is_not_a_model(to, notes, tmp_path, capfd):
+    ck = write_checkpoint(tmp_path / "ck", 1)
+    one_line_error(capfd, ["reshard", str(ck), "--to", to, "--out", str(notes)],
+                   f"--out {notes} exists and is not a model directory")  # fmt: skip
+    assert [p.name for p in notes.iterdir()] == ["todo.txt"]
+
+
+def test_json_must_be_a_writable_file_name(tmp_path, no_launch, capfd):
+    one_line_error(capfd, ["train", "--tp", "1", *TINY, "--json", str(tmp_path)],
+                   "is a directory; give a file name")  # fmt: skip
+    one_line_error(capfd, ["train", "--tp", "1", *TINY, "--json", str(tmp_path / "no" / "s.json")],
+                   f"{tmp_path / 'no'} is not a directory")  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("args", "world", "message"),
+    [
+        (["--tp", "4"], 2, "--tp 4 does not match torchrun's world size 2; pass --tp 2"),
+        (["--tp", "1", "--pp", "2", "--dp", "2"], 2,
+         "--tp 1 × --pp 2 × --dp 2 = 4 ranks does not match torchrun's world size 2"),
+    ],
+)  # fmt: skip
+def test_a_torchrun_world_size_mismatch_is_one_line_from_rank_0(args, world, message,
+                                                                monkeypatch, no_launch, capfd):  # fmt: skip
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29999")
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(world))
+    for rank in range(world):
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("LOCAL_RANK", str(rank))
+        code, out, err = tpedu(capfd, "train", *args, *TINY)
+        assert code == 2
+        if rank == 0:
+            assert message in err and len(err.strip().splitlines()) == 1, err
+        else:
+            assert err == "" and out == ""  # the error line is rank 0's

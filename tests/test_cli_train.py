@@ -75,3 +75,53 @@ def test_bad_arguments_are_one_line_errors(args, message):
     assert p.returncode == 2
     assert message in p.stderr and len(p.stderr.strip().splitlines()) == 1
     assert "Traceback" not in p.stderr
+
+
+def refused(p, message):
+    """Exit code 2 and one line on stderr naming the problem, printed before any rank started
+    (a rank's output is prefixed `[rank r]`; a failed rank exits 1 with its traceback)."""
+    assert p.returncode == 2, p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("tpedu: error: "), p.stderr
+    assert message in lines[0], lines[0]
+    assert p.stdout == "" and "[rank" not in p.stderr
+
+
+def test_a_negative_learning_rate_is_refused_before_ranks_start():
+    refused(tpedu("train", "--lr", "-1"),
+            "--lr must be a positive number (the peak learning rate, e.g. 3e-3), got -1")  # fmt: skip
+
+
+def test_a_prompt_with_characters_the_model_does_not_know_is_refused(trained):
+    out, _ = trained
+    p = tpedu("generate", "--model", str(out), "--prompt", "Hello, world €")
+    refused(p, "the prompt has 6 characters the model's tokenizer does not know: 'H', 'e', ',', "
+               "'w', 'd', '€' (")  # fmt: skip
+    assert p.stderr.strip().endswith("use characters from its training text")
+
+
+def test_a_truncated_checkpoint_is_refused_before_ranks_start(tmp_path):
+    import torch
+
+    from tpedu import checkpoint
+    from tpedu.model.config import GPTConfig
+    from tpedu.model.dense import DenseGPT
+    from tpedu.train.data.corpus import novel_data
+
+    config = GPTConfig.gpt2_like(novel_data("char")[0].vocab_size, seq_len=16, n_layers=1,
+                                 hidden=32, n_heads=2)  # fmt: skip
+    step = checkpoint.write_sharded(tmp_path / "ck", config, DenseGPT(config).state_dict(), 0,
+                                    tp=2)  # fmt: skip
+    shard = sorted(step.glob("*.safetensors"))[-1]
+    with open(shard, "r+b") as f:
+        f.truncate(100)
+    refused(tpedu("train", "--resume", str(tmp_path / "ck")),
+            f"{shard} is truncated or overwritten: 100 bytes")  # fmt: skip
+
+
+def test_out_does_not_replace_a_directory_of_other_files(tmp_path):
+    (tmp_path / "todo.txt").write_text("keep me")
+    refused(tpedu("train", *SMALL, "--out", str(tmp_path)),
+            f"--out {tmp_path} exists and is not a model directory (no config.json)")  # fmt: skip
+    assert [p.name for p in tmp_path.iterdir()] == ["todo.txt"]
+    assert (tmp_path / "todo.txt").read_text() == "keep me"

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from tpedu.analysis.memory import (
-    LedgerConfig,
     TinyGPT,
     activation_bytes_per_layer,
     adamw_step,
@@ -17,15 +16,18 @@ from tpedu.analysis.memory import (
     measure_training_bytes,
     training_bytes,
 )
+from tpedu.analysis.shape import ModelShape
 
 matplotlib.use("Agg")
 
 CONFIGS = [
-    LedgerConfig(n_layers=2, hidden=24, heads=4, vocab=97, seq_len=16, micro_batch=2),
-    LedgerConfig(n_layers=3, hidden=30, heads=6, vocab=101, seq_len=9, kv_heads=2, ffn_hidden=50),
-    LedgerConfig(n_layers=1, hidden=20, heads=5, vocab=53, seq_len=0, tied_embeddings=False),
-    LedgerConfig(
-        n_layers=2, hidden=18, heads=3, vocab=67, seq_len=7, bias=False, tied_embeddings=False
+    ModelShape(n_layers=2, hidden=24, n_heads=4, vocab_size=97, seq_len=16, micro_batch=2),
+    ModelShape(
+        n_layers=3, hidden=30, n_heads=6, vocab_size=101, seq_len=9, n_kv_heads=2, ffn_hidden=50
+    ),
+    ModelShape(n_layers=1, hidden=20, n_heads=5, vocab_size=53, seq_len=0, tie_embeddings=False),
+    ModelShape(
+        n_layers=2, hidden=18, n_heads=3, vocab_size=67, seq_len=7, bias=False, tie_embeddings=False
     ),
 ]
 
@@ -53,9 +55,9 @@ def test_measured_bytes_equal_formula():
     assert measured.bookkeeping == 4 * len(list(model.parameters()))  # one fp32 step per tensor
     assert training_bytes(n, 4, 4, 8) == measured.total - measured.bookkeeping
     # A tied LM head is one storage: untying it adds exactly V·h parameters' worth of every line.
-    untied = TinyGPT(LedgerConfig(**{**CONFIGS[1].__dict__, "tied_embeddings": False}))
+    untied = TinyGPT(ModelShape(**{**CONFIGS[1].__dict__, "tie_embeddings": False}))
     m2 = measure_training_bytes(untied, adamw_step(untied))
-    vh = CONFIGS[1].vocab * CONFIGS[1].hidden
+    vh = CONFIGS[1].vocab_size * CONFIGS[1].hidden
     assert (m2.weights - measured.weights, m2.optimizer - measured.optimizer) == (4 * vh, 8 * vh)
     # Plain bf16 AdamW keeps m and v in bf16 (2+2+4 bytes): the 12 needs fp32 master + m + v.
     model16 = TinyGPT(CONFIGS[0]).to(torch.bfloat16)
@@ -81,8 +83,8 @@ def sharded_count(model, tp):
 
 
 def test_ledger_tensor_parallel_division():
-    config = LedgerConfig(
-        n_layers=2, hidden=36, heads=6, vocab=101, seq_len=8, tied_embeddings=False
+    config = ModelShape(
+        n_layers=2, hidden=36, n_heads=6, vocab_size=101, seq_len=8, tie_embeddings=False
     )
     model = TinyGPT(config)
     base = ledger(config)
@@ -100,14 +102,15 @@ def test_ledger_tensor_parallel_division():
 
 
 def test_ledger_pipeline_and_data_parallel_division():
-    c = LedgerConfig(n_layers=7, hidden=32, heads=4, vocab=90, seq_len=12, micro_batch=3)
+    c = ModelShape(n_layers=7, hidden=32, n_heads=4, vocab_size=90, seq_len=12, micro_batch=3)
     h = c.hidden
     per_layer = 12 * h * h + 13 * h
-    act = activation_bytes_per_layer(c.seq_len, c.micro_batch, h, c.heads)
+    act = activation_bytes_per_layer(c.seq_len, c.micro_batch, h, c.n_heads)
     for pp in (2, 3, 4):
         lg = ledger(c, pp=pp)
         layers = math.ceil(c.n_layers / pp)  # stage 0 gets the largest share
-        assert lg.params == layers * per_layer + c.vocab * h + c.seq_len * h  # final LN: last stage
+        # final LN: last stage
+        assert lg.params == layers * per_layer + c.vocab_size * h + c.seq_len * h
         assert lg.activations == layers * act * pp  # 1F1B: pp micro-batches in flight on stage 0
     one, dp8, z = ledger(c), ledger(c, dp=8), ledger(c, dp=8, zero1=True)
     fields = ("weights", "gradients", "optimizer", "activations", "params")
@@ -143,7 +146,7 @@ def test_activation_formulas_reduce():
 
 
 def test_bad_input_messages():
-    c = LedgerConfig(n_layers=4, hidden=64, heads=8, vocab=100, seq_len=8)
+    c = ModelShape(n_layers=4, hidden=64, n_heads=8, vocab_size=100, seq_len=8)
     with pytest.raises(
         ValueError, match=r"8 heads are not divisible by tp=3; valid tp values: 1, 2, 4, 8"
     ):
@@ -163,7 +166,7 @@ def test_calculator_wires_widgets_to_ledger(capsys):
     box = memory_calculator(on_measure=lambda cfg, st: calls.append((cfg, st)) or "measured")
     calc = box.calculator
     calc.params_b.value = 7.0  # typing a size sets the layer count
-    assert calc.layers.value == LedgerConfig().with_params(7e9).n_layers
+    assert calc.layers.value == ModelShape().with_params(7e9).n_layers
     calc.tp.value, calc.sp.value, calc.zero1.value, calc.dp.value = 4, True, True, 2
     assert calc.ledger() == ledger(calc.config(), tp=4, dp=2, sp=True, zero1=True)
     calc.widget.children[2].click()  # the "measure" hook

@@ -1,5 +1,6 @@
 """The tokenizer cache: concurrent builders (ranks under torchrun) each write a temporary file of
-their own, so neither loses its rename; a failed write leaves no temporary file behind."""
+their own, so neither loses its rename; a failed write leaves no temporary file behind. And
+`unknown`: the characters a tokenizer cannot encode (the CLI refuses such a prompt)."""
 
 import os
 
@@ -36,3 +37,21 @@ def test_a_failed_write_leaves_no_temporary_file(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="No space left"):
         tokenizer.build(TEXT, "char", cache_dir=tmp_path)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_unknown_characters_are_the_ones_encode_turns_into_unk():
+    tok = tokenizer.CharTokenizer.train(TEXT + "ello word")
+    assert tok.unknown("Hello, world €") == ["H", ",", "€"]  # each once, in order
+    assert tok.unknown("Hello, Hello €€") == ["H", ",", "€"]
+    assert tok.unknown(TEXT) == [] and tok.unknown("") == []
+    unk = tok.stoi[tokenizer.UNK]
+    for c in "Hello, world €" + TEXT:  # unknown exactly where encode gives <unk>
+        assert (c in tok.unknown(c)) == (tok.encode(c) == [unk]), c
+    assert tok.unknown("<unk>") == ["<", "u", "n", "k", ">"]  # the specials' names are not text
+
+
+def test_byte_level_bpe_knows_every_character():
+    tok = tokenizer.BPETokenizer.train(TEXT, 300)
+    text = "Hello, world € 🙂 \x00"
+    assert tok.unknown(text) == []
+    assert tok.decode(tok.encode(text)) == text

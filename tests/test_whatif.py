@@ -4,12 +4,12 @@ import re
 
 import pytest
 
+from tpedu.analysis.shape import ModelShape
 from tpedu.analysis.whatif import (
     A100_SXM,
     H100_SXM,
     NARAYANAN_1T,
     Hardware,
-    ModelShape,
     Parallel,
     predict,
     published_comparison,
@@ -17,23 +17,23 @@ from tpedu.analysis.whatif import (
 )
 from tpedu.comm.cost_model import AlphaBeta
 
-GPT3 = ModelShape(layers=96, hidden=12288, heads=96, vocab=50257, seq=2048)
-SMALL = ModelShape(layers=6, hidden=384, heads=6, vocab=1000, seq=256, ffn=1000)
-WIDE = ModelShape(layers=6, hidden=384, heads=8, vocab=1000, seq=256, ffn=1000)
+GPT3 = ModelShape(n_layers=96, hidden=12288, n_heads=96, vocab_size=50257, seq_len=2048)
+SMALL = ModelShape(n_layers=6, hidden=384, n_heads=6, vocab_size=1000, seq_len=256, ffn_hidden=1000)
+WIDE = ModelShape(n_layers=6, hidden=384, n_heads=8, vocab_size=1000, seq_len=256, ffn_hidden=1000)
 # A made-up machine with round numbers, so expected values are computable by hand.
 TOY = Hardware("toy", peak_flops=1e12, intra_bw=1e9, inter_bw=1e8, gpus_per_node=4,
                intra_alpha=1e-5, inter_alpha=1e-4, bus_efficiency=1.0)  # fmt: skip
 
 
 def test_parameter_count_and_flops_per_token():
-    assert GPT3.params / 175e9 == pytest.approx(1, abs=0.005)  # GPT-3: "175B"
+    assert GPT3.matmul_params / 175e9 == pytest.approx(1, abs=0.005)  # GPT-3: "175B"
     L, h, s, V, f = 6, 384, 256, 1000, 1000  # noqa: N806
     n = L * (4 * h * h + 2 * h * f) + V * h
-    assert SMALL.params == n
+    assert SMALL.matmul_params == n
     assert SMALL.flops_per_token() == 6 * n + 12 * L * s * h
     # with full recomputation: Narayanan et al. (2021) eq. 3 per token, exactly (ffn = 4h)
     m = NARAYANAN_1T
-    L, h, s, V = m.layers, m.hidden, m.seq, m.vocab  # noqa: N806
+    L, h, s, V = m.n_layers, m.hidden, m.seq_len, m.vocab_size  # noqa: N806
     paper = 96 * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
     assert m.flops_per_token(recompute=True) == pytest.approx(paper, rel=1e-12)
     assert m.flops_per_token() == pytest.approx(paper * 3 / 4 + 1.5 * V * h, rel=1e-12)
@@ -96,13 +96,15 @@ def test_pipeline_bubble_and_data_parallel_allreduce():
     slowest = p.compute * last + p.tp
     assert p.bubble == pytest.approx(14 / 12 * slowest - (p.compute + p.tp), rel=1e-12)
     # without a head, stages are equal and the bubble is the textbook (p-1)/(v·m) of busy time
-    headless = ModelShape(layers=6, hidden=384, heads=6, vocab=0, seq=256, ffn=1000)
+    headless = ModelShape(
+        n_layers=6, hidden=384, n_heads=6, vocab_size=0, seq_len=256, ffn_hidden=1000
+    )
     q = predict(headless, par, TOY, efficiency=0.5)
     assert q.bubble == pytest.approx((3 - 1) / (2 * 6) * (q.compute + q.tp), rel=1e-12)
     act = 256 * 384 * 2
     # a stage boundary stays in the node (tp·pp = 3 <= 4); the DP ring spans 6 GPUs: 2 nodes
     assert p.pp == pytest.approx(2 * 6 * 2 * (1e-5 + act * 1e-9), rel=1e-12)
-    grads = SMALL.params / 3 * 2
+    grads = SMALL.matmul_params / 3 * 2
     assert p.dp == pytest.approx(AlphaBeta(1e-4, 1e-8).predict("all_reduce", grads, 2), rel=1e-12)
     half = predict(SMALL, Parallel(pp=3, dp=2, batch=12, chunks=2, dp_overlap=0.5), TOY, 0.5)
     assert half.dp == pytest.approx(p.dp / 2, rel=1e-12)
@@ -119,7 +121,9 @@ def test_bad_layouts_are_clear_errors():
 
 def test_the_seeds_claims_and_published_figures_are_computed():
     # TP inside a node degrades gently; leaving it halves the efficiency (the seeds' "TP <= 8")
-    llama = ModelShape(layers=32, hidden=4096, heads=32, vocab=128256, seq=4096, ffn=14336)
+    llama = ModelShape(
+        n_layers=32, hidden=4096, n_heads=32, vocab_size=128256, seq_len=4096, ffn_hidden=14336
+    )
     eff = {t: tp_efficiency(llama, t, H100_SXM) for t in (2, 8, 16)}
     assert 1 > eff[2] > eff[8] > 1.8 * eff[16]
     # the Ultra-Scale Playbook's TP sweep: 13,923 -> 2,146 tokens/s/GPU from tp 2 to tp 32;

@@ -1,4 +1,5 @@
-"""The measured activation ledger (激活显存账本): what one transformer layer saves for backward.
+"""Lesson 09: the measured activation ledger (激活显存账本), what one transformer layer saves for
+backward.
 
 `SavedTensorCounter` hooks autograd (torch.autograd.graph.saved_tensors_hooks): every tensor an
 operation saves for its backward passes through the pack hook, which records its storage ONCE
@@ -18,6 +19,9 @@ h hidden, a heads, t tensor-parallel size):
     TP               sbh(10 + 24/t + 5as/(ht))  selective    sbh(10 + 24/t), SP: 34sbh/t
     full recompute   2sbh (the layer input; 2sbh/t with SP)
 
+A `LayerCase` is one row of that table at one shape: a tpedu.analysis.shape.ModelShape (its
+seq_len, micro_batch, hidden, n_heads are the paper's s, b, h, a) with tp (t), sp and recompute;
+`LayerCase.from_symbols(s, b, h, a, t, sp, recompute)` writes it in the paper's symbols.
 `measure_layer` runs one tpedu TPBlock (gpt2-like: LayerNorm, GELU, biases, dropout on) in
 bfloat16 and returns the measured bytes by category; `paper_terms` is the same table split the
 same way. What tpedu saves beyond the paper, every byte accounted for by `known_extras`:
@@ -45,9 +49,11 @@ import torch.distributed as dist
 from torch import nn
 
 from tpedu.analysis.memory import RECOMPUTE, activation_bytes_per_layer
+from tpedu.analysis.shape import ModelShape
 from tpedu.model.config import GPTConfig
 from tpedu.model.dense import DenseBlock
 from tpedu.model.gpt import TPBlock
+from tpedu.tp.sharding import divisors
 
 # torch.utils.checkpoint imports torch._dynamo on its first call: seconds. Importing it here, in
 # the parent process, lets every rank forked by tpedu.launch inherit it instead of paying again.
@@ -183,78 +189,95 @@ def count_saved(root: nn.Module | None = None) -> Iterator[SavedTensorCounter]:
 
 
 @dataclass(frozen=True)
-class Shape:
-    """One layer's activation shape: sequence s, micro-batch b, hidden h, heads a, TP size t."""
+class LayerCase:
+    """One layer of `shape` at tensor-parallel size tp, with or without sequence parallelism,
+    under a recompute policy: one row of the paper's table (only seq_len, micro_batch, hidden
+    and n_heads of the shape matter; the paper's layer has ffn 4·hidden and no GQA)."""
 
-    s: int
-    b: int
-    h: int
-    a: int
-    t: int = 1
+    shape: ModelShape
+    tp: int = 1
     sp: bool = False
     recompute: str = "none"
+
+    @classmethod
+    def from_symbols(
+        cls, s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False, recompute: str = "none"
+    ) -> LayerCase:
+        """The case in the paper's symbols: sequence s, micro-batch b, hidden h, heads a, tp t."""
+        return cls(ModelShape(seq_len=s, micro_batch=b, hidden=h, n_heads=a), t, sp, recompute)
 
     def __post_init__(self) -> None:
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"recompute must be one of {RECOMPUTE}, got {self.recompute!r}")
-        if self.h % self.a or self.a % self.t or (4 * self.h) % self.t:
+        s, _, h, a, t = _symbols(self)
+        if h % a or a % t or (4 * h) % t:
             raise ValueError(
-                f"h = {self.h}, a = {self.a}, t = {self.t}: need a | h and t | a "
-                f"(valid t: {', '.join(str(d) for d in range(1, self.a + 1) if self.a % d == 0)})"
+                f"h = {h}, a = {a}, t = {t}: need a | h and t | a "
+                f"(valid t: {', '.join(str(d) for d in divisors(a))})"
             )
-        if self.sp and self.s % self.t:
-            raise ValueError(f"sequence parallelism needs t | s; s = {self.s}, t = {self.t}")
+        if self.shape.ffn != 4 * h or self.shape.kv_heads != a:
+            raise ValueError(f"the paper's layer has ffn_hidden = 4·hidden and no GQA; got "
+                             f"ffn {self.shape.ffn}, {self.shape.kv_heads} KV heads")  # fmt: skip
+        if self.sp and s % t:
+            raise ValueError(f"sequence parallelism needs t | s; s = {s}, t = {t}")
 
     def label(self) -> str:
-        par = "no parallelism" if self.t == 1 else f"TP t={self.t}" + (" + SP" if self.sp else "")
+        par = "no parallelism" if self.tp == 1 else f"TP t={self.tp}" + (" + SP" if self.sp else "")
         return par + ("" if self.recompute == "none" else f", {self.recompute} recompute")
 
 
-def paper_terms(shape: Shape) -> dict[str, float]:
+def _symbols(case: LayerCase) -> tuple[int, int, int, int, int]:
+    """(s, b, h, a, t) of a case: the paper's names for seq_len, micro_batch, hidden, n_heads, tp."""
+    c = case.shape
+    return c.seq_len, c.micro_batch, c.hidden, c.n_heads, case.tp
+
+
+def paper_terms(case: LayerCase) -> dict[str, float]:
     """Korthikanti et al.'s bytes per layer by category (16-bit values, 1-byte dropout masks).
 
     Sums to tpedu.analysis.memory.activation_bytes_per_layer(s, b, h, a, t, sp, recompute) exactly.
     """
-    s, b, h, a, t = shape.s, shape.b, shape.h, shape.a, shape.t
+    s, b, h, a, t = _symbols(case)
     sbh, scores = s * b * h, a * s * s * b / t  # [b, a/t, s, s] per rank
-    rep = t if shape.sp else 1  # what plain TP replicates, SP shards
-    if shape.recompute == "full":
+    rep = t if case.sp else 1  # what plain TP replicates, SP shards
+    if case.recompute == "full":
         return {"block input": 2 * sbh / rep}
-    core = 0.0 if shape.recompute == "selective" else 4 * scores  # softmax out + dropout out
+    core = 0.0 if case.recompute == "selective" else 4 * scores  # softmax out + dropout out
     out = {
         "norms": 4 * sbh / rep,
         "attention": 2 * sbh / rep + 6 * sbh / t + 2 * sbh / t + core,  # QKV in, Q K V, out in
         "mlp": 2 * sbh / rep + 16 * sbh / t,  # fc1 input, GELU input, fc2 input
-        "dropout masks": 2 * sbh / rep + (0.0 if shape.recompute == "selective" else scores),
+        "dropout masks": 2 * sbh / rep + (0.0 if case.recompute == "selective" else scores),
     }
     return out
 
 
-def known_extras(shape: Shape, mask_itemsize: int = 2, stat_itemsize: int = 4) -> dict[str, float]:
+def known_extras(
+    case: LayerCase, mask_itemsize: int = 2, stat_itemsize: int = 4
+) -> dict[str, float]:
     """What tpedu's layer saves beyond `paper_terms`, by category (see the module docstring).
 
     mask_itemsize: bytes of a saved dropout mask element (the activation dtype's: 2 for bf16);
     stat_itemsize: bytes of a LayerNorm mean / rstd element (float32 on CUDA; the CPU kernel
     keeps them in the input dtype).
     """
-    if shape.recompute == "full":
+    if case.recompute == "full":
         return {}
-    paper = paper_terms(shape)
-    s, b = shape.s, shape.b
-    rep = shape.t if shape.sp else 1
+    paper = paper_terms(case)
+    s, b, _, _, t = _symbols(case)
+    rep = t if case.sp else 1
     out = {
         "dropout masks": paper["dropout masks"] * (mask_itemsize - 1),  # the paper's are 1 byte
         "norm statistics": 2 * 2 * b * s / rep * stat_itemsize,  # 2 norms x (mean, rstd)
     }
-    if shape.recompute == "none":
+    if case.recompute == "none":
         out["causal mask"] = s * s  # bool, 1 byte; selective recompute drops it with the core
     return out
 
 
-def formula_bytes(shape: Shape) -> float:
+def formula_bytes(case: LayerCase) -> float:
     """The paper's per-layer total (tpedu.analysis.memory.activation_bytes_per_layer)."""
-    return activation_bytes_per_layer(shape.s, shape.b, shape.h, shape.a, shape.t, shape.sp,
-                                      shape.recompute)  # fmt: skip
+    return activation_bytes_per_layer(*_symbols(case), case.sp, case.recompute)
 
 
 # --- measuring ----------------------------------------------------------------------------------
@@ -264,7 +287,7 @@ def formula_bytes(shape: Shape) -> float:
 class LayerMeasurement:
     """Bytes one layer saved on one rank, by category, with the records behind them."""
 
-    shape: Shape
+    case: LayerCase
     by_category: dict[str, int]
     records: list[Saved] = field(default_factory=list)
 
@@ -281,56 +304,58 @@ class LayerMeasurement:
 
     def expected(self) -> dict[str, float]:
         """paper_terms + known_extras by category, with the measured element sizes."""
-        extras = known_extras(self.shape, self.itemsize("dropout masks", 2),
+        extras = known_extras(self.case, self.itemsize("dropout masks", 2),
                               self.itemsize("norm statistics", 4))  # fmt: skip
-        out = dict(paper_terms(self.shape))
+        out = dict(paper_terms(self.case))
         for k, v in extras.items():
             out[k] = out.get(k, 0.0) + v
         return out
 
 
-def layer_config(shape: Shape, dropout: float = 0.1) -> GPTConfig:
-    """A gpt2-like one-layer config with the shape's h, a, s (the architecture of the paper)."""
-    return GPTConfig.gpt2_like(64, seq_len=shape.s, n_layers=1, hidden=shape.h,
-                               n_heads=shape.a, dropout=dropout, sequence_parallel=shape.sp,
-                               recompute=shape.recompute, activation="gelu_tanh")  # fmt: skip
+def layer_config(case: LayerCase, dropout: float = 0.1) -> GPTConfig:
+    """A gpt2-like one-layer config with the case's h, a, s (the architecture of the paper)."""
+    c = case.shape
+    return GPTConfig.gpt2_like(64, seq_len=c.seq_len, n_layers=1, hidden=c.hidden,
+                               n_heads=c.n_heads, dropout=dropout, sequence_parallel=case.sp,
+                               recompute=case.recompute, activation="gelu_tanh")  # fmt: skip
 
 
 def measure_layer(
-    shape: Shape,
+    case: LayerCase,
     group: dist.ProcessGroup | None = None,
     dtype: torch.dtype = torch.bfloat16,
     device: torch.device | str | None = None,
 ) -> LayerMeasurement:
-    """Run one TPBlock forward on this rank (inside tpedu.launch with shape.t ranks) and count
+    """Run one TPBlock forward on this rank (inside tpedu.launch with case.tp ranks) and count
     what it saves for backward. Collective: every rank of `group` must call it.
 
     x: [b, s, h] (sp: this rank's [b, s/t, h]) in `dtype`, dropout p = 0.1, training mode.
     """
     t = dist.get_world_size(group)
-    if t != shape.t:
-        raise ValueError(f"shape.t = {shape.t} but the group has {t} ranks; launch {shape.t}")
+    if t != case.tp:
+        raise ValueError(f"case.tp = {case.tp} but the group has {t} ranks; launch {case.tp}")
     if device is None:
         from tpedu import device as rank_device
 
         device = rank_device()
     torch.manual_seed(0)
-    config = layer_config(shape)
-    block = TPBlock(DenseBlock(config, 0), group, shape.sp, shape.recompute).to(device, dtype)
+    config = layer_config(case)
+    block = TPBlock(DenseBlock(config, 0), group, case.sp, case.recompute).to(device, dtype)
     block.train()
-    s_local = shape.s // t if shape.sp else shape.s
-    x = torch.randn(shape.b, s_local, shape.h, device=device, dtype=dtype, requires_grad=True)
+    s, b, h, _, _ = _symbols(case)
+    s_local = s // t if case.sp else s
+    x = torch.randn(b, s_local, h, device=device, dtype=dtype, requires_grad=True)
     with SavedTensorCounter(block) as counter:
         y = block(x)
     y.float().sum().backward()  # the graph is real: it must run (and frees what was saved)
-    return LayerMeasurement(shape, counter.by_category(), counter.records)
+    return LayerMeasurement(case, counter.by_category(), counter.records)
 
 
 def measure_rows(
-    shapes: list[Shape], group: dist.ProcessGroup | None = None
+    cases: list[LayerCase], group: dist.ProcessGroup | None = None
 ) -> list[LayerMeasurement]:
-    """measure_layer for each shape (all with the group's t). Collective."""
-    return [measure_layer(s, group) for s in shapes]
+    """measure_layer for each case (all with the group's t). Collective."""
+    return [measure_layer(c, group) for c in cases]
 
 
 def ledger_table(measurements: list[LayerMeasurement]) -> str:
@@ -339,17 +364,17 @@ def ledger_table(measurements: list[LayerMeasurement]) -> str:
             f"{'measured':>11} {'':>2}")  # fmt: skip
     lines = [head, "-" * len(head)]
     for m in measurements:
-        formula = formula_bytes(m.shape)
+        formula = formula_bytes(m.case)
         expected = sum(m.expected().values())
         ok = "✓" if m.total == expected else "✗"
-        lines.append(f"{m.shape.label():<34} {formula:>11,.0f} {expected - formula:>10,.0f} "
+        lines.append(f"{m.case.label():<34} {formula:>11,.0f} {expected - formula:>10,.0f} "
                      f"{expected:>11,.0f} {m.total:>11,} {ok:>2}")  # fmt: skip
     return "\n".join(lines)
 
 
 def category_table(m: LayerMeasurement) -> str:
     """One row per category: paper, extras, measured (deterministic text)."""
-    paper, expected = paper_terms(m.shape), m.expected()
+    paper, expected = paper_terms(m.case), m.expected()
     head = f"{'category':<16} {'paper':>10} {'tpedu extra':>12} {'measured':>10}"
     lines = [head, "-" * len(head)]
     for c in CATEGORIES:
@@ -361,14 +386,15 @@ def category_table(m: LayerMeasurement) -> str:
 
 # --- the calculator's "measure" button ---------------------------------------------------------
 
-TINY = {"s": 32, "b": 1, "h": 64, "a": 8}  # small enough for CPU ranks; a = 8 allows t <= 8
+# small enough for CPU ranks; 8 heads allow t <= 8
+TINY = ModelShape(seq_len=32, micro_batch=1, hidden=64, n_heads=8)
 
 
-def _measure_worker(shape: Shape) -> LayerMeasurement:
-    return measure_layer(shape)
+def _measure_worker(case: LayerCase) -> LayerMeasurement:
+    return measure_layer(case)
 
 
-def calculator_measure(config: object, settings: dict) -> str:
+def calculator_measure(config: ModelShape, settings: dict) -> str:
     """`memory_calculator(on_measure=calculator_measure)`: measure a tiny layer with the chosen
     tp, sp and recompute on real ranks and set it beside the prediction for the chosen shape.
 
@@ -379,7 +405,7 @@ def calculator_measure(config: object, settings: dict) -> str:
     return _measure_for_calculator(config, settings)[0]
 
 
-def calculator_overlay(config: object, settings: dict) -> tuple[str, float] | str:
+def calculator_overlay(config: ModelShape, settings: dict) -> tuple[str, float] | str:
     """`memory_calculator(on_measure=calculator_overlay)`: calculator_measure's text, plus the
     activation bytes per device tpedu really saves at the chosen shape and layout (the ledger's
     activations scaled by measured / formula per layer), which the calculator draws over its
@@ -392,27 +418,29 @@ def calculator_overlay(config: object, settings: dict) -> tuple[str, float] | st
     return text, ledger(config, **settings).activations * measured / formula
 
 
-def _measure_for_calculator(config: object, settings: dict) -> tuple[str, float | None, float]:
+def _measure_for_calculator(config: ModelShape, settings: dict) -> tuple[str, float | None, float]:
     """(report, formula bytes per layer at the chosen shape, bytes tpedu saves there)."""
     from tpedu.launcher import launch
 
     t, sp, recompute = settings["tp"], settings["sp"], settings["recompute"]
     if t > 8:
         return f"measure: tp = {t} would launch {t} CPU ranks; choose tp <= 8", None, 0.0
-    tiny = Shape(**TINY, t=t, sp=sp, recompute=recompute)
+    tiny = LayerCase(TINY, t, sp, recompute)
     m = launch(_measure_worker, t, tiny)[0]
     expected = sum(m.expected().values())
-    big = Shape(config.seq_len, config.micro_batch, config.hidden, config.heads, t, sp, recompute)
+    big = LayerCase(config, t, sp, recompute)
     big_formula = formula_bytes(big)
     extras = known_extras(big, m.itemsize("dropout masks", 2), m.itemsize("norm statistics", 4))
     big_extra = sum(extras.values())
     ok = "✓" if m.total == expected else "✗"
     text = "\n".join([
-        f"measured one tiny layer (s={tiny.s}, b={tiny.b}, h={tiny.h}, a={tiny.a}; "
+        f"measured one tiny layer (s={TINY.seq_len}, b={TINY.micro_batch}, h={TINY.hidden}, "
+        f"a={TINY.n_heads}; "
         f"{tiny.label()}), bf16, on {t} rank(s):",
         f"  formula {formula_bytes(tiny):,.0f} B + tpedu extras {expected - formula_bytes(tiny):,.0f} B"
         f" = {expected:,.0f} B; measured {m.total:,} B {ok}",
-        f"at your shape (s={big.s}, b={big.b}, h={big.h}, a={big.a}), per layer and rank:",
+        f"at your shape (s={config.seq_len}, b={config.micro_batch}, h={config.hidden}, "
+        f"a={config.n_heads}), per layer and rank:",
         f"  formula {big_formula / 1e9:.3f} GB; tpedu would save {(big_formula + big_extra) / 1e9:.3f} GB"
         f" (+{100 * big_extra / big_formula:.1f}%: "
         + ", ".join(f"{k} {v / 1e9:.3f} GB" for k, v in extras.items()) + ")",
@@ -423,8 +451,8 @@ def _measure_for_calculator(config: object, settings: dict) -> tuple[str, float 
 __all__ = [
     "CATEGORIES",
     "LayerMeasurement",
+    "LayerCase",
     "SavedTensorCounter",
-    "Shape",
     "calculator_measure",
     "category_table",
     "count_saved",

@@ -1,4 +1,5 @@
-"""An interactive memory calculator: widgets wired to tpedu.analysis.memory.ledger, nothing more.
+"""Lesson 00 (used again in lesson 09): an interactive memory calculator, widgets wired to
+tpedu.analysis.memory.ledger and nothing more.
 
     from tpedu.analysis.calculator import memory_calculator
     memory_calculator()                       # in a notebook cell
@@ -9,7 +10,8 @@ tp/pp/dp, sequence parallelism, recomputation and ZeRO-1; it draws the per-devic
 fits on the chosen GPU. All arithmetic lives in tpedu/analysis/memory.py.
 
 Hook for later lessons: `memory_calculator(on_measure=f)` adds a "measure" button that calls
-`f(config, settings)` (settings: dict of tp, pp, dp, sp, recompute, zero1) and prints the string
+`f(config, settings)` (config: the tpedu.analysis.shape.ModelShape on screen; settings: dict of
+tp, pp, dp, sp, recompute, zero1) and prints the string
 it returns under the prediction, e.g. bytes measured on real ranks. If `f` returns
 `(text, activation_bytes)`, the measured activations per device are also drawn over the
 predicted bar (lesson 09: `tpedu.analysis.activation_memory.calculator_overlay`).
@@ -22,12 +24,13 @@ from collections.abc import Callable
 import ipywidgets as widgets
 import matplotlib.pyplot as plt
 
-from tpedu.analysis.memory import GB, RECOMPUTE, Ledger, LedgerConfig, ledger
+from tpedu.analysis.memory import GB, RECOMPUTE, Ledger, ledger
+from tpedu.analysis.shape import ModelShape
 
 PARTS = ("weights", "gradients", "optimizer", "activations")
 COLORS = ("#4c72b0", "#55a868", "#c44e52", "#8172b2")
 SIZES = [1, 2, 4, 8, 16, 32, 64]
-MeasureHook = Callable[[LedgerConfig, dict], "str | tuple[str, float]"]
+MeasureHook = Callable[[ModelShape, dict], "str | tuple[str, float]"]
 
 
 def plot_ledgers(
@@ -106,12 +109,12 @@ class MemoryCalculator:
     def _settings(self) -> list[widgets.Widget]:
         return [self.tp, self.pp, self.dp, self.sp, self.recompute, self.zero1]
 
-    def config(self) -> LedgerConfig:
-        return LedgerConfig(
+    def config(self) -> ModelShape:
+        return ModelShape(
             n_layers=self.layers.value,
             hidden=self.hidden.value,
-            heads=self.heads.value,
-            vocab=self.vocab.value,
+            n_heads=self.heads.value,
+            vocab_size=self.vocab.value,
             seq_len=self.seq.value,
             micro_batch=self.batch.value,
         )

@@ -1,4 +1,4 @@
-"""The training-memory ledger (显存账本): what one device holds while a GPT trains.
+"""Lesson 00: the training-memory ledger (显存账本), what one device holds while a GPT trains.
 
 Four lines, all in bytes:
 
@@ -13,9 +13,10 @@ Plain fp32 AdamW also costs 16 (4 weight + 4 grad + 8 for m and v; the weight is
 copy, so master = 0). Every byte count below is a parameter, so other recipes are one call away.
 
 Parameter counts are exact for a GPT-2-style block (pre-LayerNorm, biases, GELU MLP): per layer
-12h² + 13h, plus V·h token embeddings, s·h learned positions and a final LayerNorm (2h).
-`TinyGPT` builds that model from plain torch.nn so tests can check the formula against
-`sum(p.numel())`, and `measure_training_bytes` checks the byte counts against real storage.
+12h² + 13h, plus V·h token embeddings, s·h learned positions and a final LayerNorm (2h). They
+live with the model's shape (tpedu.analysis.shape: `gpt_params`, `ModelShape.n_params`) and are
+re-exported here. `TinyGPT` builds that model from plain torch.nn so tests can check the formula
+against `sum(p.numel())`, and `measure_training_bytes` checks the byte counts against real storage.
 
 Activation formulas are those of Korthikanti et al. 2022, "Reducing Activation Recomputation in
 Large Transformer Models", Table 2 (16-bit activations, 1-byte dropout masks, per layer, for
@@ -25,16 +26,18 @@ sequence s, micro-batch b, hidden h, heads a, tensor-parallel size t).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from tpedu.analysis.shape import ModelShape, embedding_params, layer_params
+from tpedu.analysis.shape import gpt_params as gpt_params  # re-exported: lesson 00's exercise
 from tpedu.model.config import RECOMPUTE
+from tpedu.tp.sharding import divisors
 
 GB = 1e9  # decimal gigabytes, as GPU data sheets (80 GB) and the seed (560 GB) count them
-
 
 
 def training_bytes(
@@ -48,63 +51,12 @@ def training_bytes(
     return n_params * (weight_bytes + grad_bytes + optimizer_bytes)
 
 
-def embedding_params(vocab: int, hidden: int) -> int:
-    """Parameters of a [vocab, hidden] token-embedding table: 50_000 × 4096 = 204.8M."""
-    return vocab * hidden
-
-
 def embedding_bytes(vocab: int, hidden: int, bytes_per_param: int = 2) -> int:
     """Bytes of a [vocab, hidden] embedding table at `bytes_per_param` (2 for bf16 weights).
 
     Pass bytes_per_param=16 for its whole training state under mixed-precision AdamW.
     """
     return embedding_params(vocab, hidden) * bytes_per_param
-
-
-def _layer_params(hidden: int, ffn_hidden: int, kv_dim: int, bias: bool) -> tuple[int, int]:
-    """(sharded, replicated) parameters of one block under Megatron-style tensor parallelism.
-
-    Sharded: every matrix, plus the biases of the column-parallel layers (Q, K, V, fc1).
-    Replicated on every TP rank: the biases of the row-parallel layers (out-proj, fc2; added
-    once, after the all-reduce) and both LayerNorms.
-    """
-    h, f = hidden, ffn_hidden
-    matrices = h * h + 2 * h * kv_dim + h * h + 2 * h * f  # Q, K, V, out-proj, fc1, fc2
-    if not bias:
-        return matrices, 2 * h  # LayerNorm weights only (nanoGPT's bias=False)
-    column_biases = h + 2 * kv_dim + f
-    replicated = h + h + 2 * 2 * h  # out-proj bias, fc2 bias, two LayerNorms (weight + bias)
-    return matrices + column_biases, replicated
-
-
-def gpt_params(
-    n_layers: int,
-    hidden: int,
-    vocab: int,
-    seq_len: int,
-    ffn_hidden: int | None = None,
-    heads: int | None = None,
-    kv_heads: int | None = None,
-    tied_embeddings: bool = True,
-    bias: bool = True,
-) -> int:
-    """Exact parameter count of a GPT-2-style decoder (pre-LayerNorm, GELU MLP).
-
-    Per layer (ffn_hidden = 4h, kv_heads = heads, bias=True): 12h² + 13h, i.e.
-    Q, K, V, out-proj 4h² + 4h; fc1, fc2 8h² + 5h; two LayerNorms 4h.
-    Plus: V·h token embeddings, s·h learned positions (seq_len=0: none, e.g. RoPE), a final
-    LayerNorm (2h, or h without bias), and an untied [V, h] LM head when tied_embeddings=False.
-    Grouped-query attention: K and V have kv_heads · (h / heads) outputs each.
-    bias=False drops every Linear bias and the LayerNorm biases (nanoGPT's convention).
-    """
-    ffn_hidden = 4 * hidden if ffn_hidden is None else ffn_hidden
-    heads = heads or 1
-    kv_heads = heads if kv_heads is None else kv_heads
-    kv_dim = kv_heads * (hidden // heads)
-    sharded, replicated = _layer_params(hidden, ffn_hidden, kv_dim, bias)
-    embeddings = embedding_params(vocab, hidden) * (1 if tied_embeddings else 2)
-    final_norm = 2 * hidden if bias else hidden
-    return n_layers * (sharded + replicated) + embeddings + seq_len * hidden + final_norm
 
 
 # --- activations (Korthikanti et al. 2022, Table 2) ---------------------------------------------
@@ -156,59 +108,18 @@ def _check_tp(tp: int) -> None:
 # --- the ledger -------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class LedgerConfig:
-    """A GPT-2-style model plus the micro-batch it trains on (everything the ledger needs)."""
-
-    n_layers: int = 32
-    hidden: int = 4096
-    heads: int = 32
-    vocab: int = 50_000
-    seq_len: int = 2048
-    micro_batch: int = 4
-    ffn_hidden: int | None = None  # None: 4 * hidden
-    kv_heads: int | None = None  # None: heads (plain multi-head attention)
-    tied_embeddings: bool = True
-    bias: bool = True
-
-    @property
-    def ffn(self) -> int:
-        return 4 * self.hidden if self.ffn_hidden is None else self.ffn_hidden
-
-    @property
-    def kv(self) -> int:
-        return self.heads if self.kv_heads is None else self.kv_heads
-
-    @property
-    def n_params(self) -> int:
-        """Exact parameter count (see gpt_params)."""
-        return gpt_params(
-            self.n_layers, self.hidden, self.vocab, self.seq_len, self.ffn_hidden,
-            self.heads, self.kv_heads, self.tied_embeddings, self.bias,
-        )  # fmt: skip
-
-    def with_params(self, n_params: float) -> LedgerConfig:
-        """The same shape family scaled to about `n_params`: n_layers = params / (12h² + 13h)."""
-        per_layer = 12 * self.hidden**2 + 13 * self.hidden
-        return replace(self, n_layers=max(1, round(n_params / per_layer)))
-
-
-def _valid_divisors(n: int, limit: int = 64) -> str:
-    return ", ".join(str(d) for d in range(1, min(n, limit) + 1) if n % d == 0)
-
-
-def check_parallel(config: LedgerConfig, tp: int = 1, pp: int = 1, dp: int = 1) -> None:
+def check_parallel(config: ModelShape, tp: int = 1, pp: int = 1, dp: int = 1) -> None:
     """Raise a ValueError naming the problem and the fix if (tp, pp, dp) cannot split `config`."""
     for name, value in (("tp", tp), ("pp", pp), ("dp", dp)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    for what, n in (("heads", config.heads), ("kv heads", config.kv), ("ffn hidden", config.ffn)):
+    c = config
+    for what, n in (("heads", c.n_heads), ("kv heads", c.kv_heads), ("ffn hidden", c.ffn)):
         if n % tp:
-            raise ValueError(
-                f"{n} {what} are not divisible by tp={tp}; valid tp values: {_valid_divisors(n)}"
-            )
-    if config.hidden % config.heads:
-        raise ValueError(f"hidden={config.hidden} is not divisible by heads={config.heads}")
+            valid = ", ".join(str(d) for d in divisors(n) if d <= 64)
+            raise ValueError(f"{n} {what} are not divisible by tp={tp}; valid tp values: {valid}")
+    if config.hidden % config.n_heads:
+        raise ValueError(f"hidden={config.hidden} is not divisible by heads={config.n_heads}")
     if pp > config.n_layers:
         raise ValueError(
             f"pp={pp} exceeds the {config.n_layers} layers; use pp <= {config.n_layers}"
@@ -255,7 +166,7 @@ class Ledger:
 
 
 def ledger(
-    config: LedgerConfig,
+    config: ModelShape,
     tp: int = 1,
     pp: int = 1,
     dp: int = 1,
@@ -289,21 +200,21 @@ def ledger(
     """
     check_parallel(config, tp, pp, dp)
     c = config
-    sharded, replicated = _layer_params(c.hidden, c.ffn, c.kv * (c.hidden // c.heads), c.bias)
+    sharded, replicated = layer_params(c.hidden, c.ffn, c.kv_dim, c.bias)
     layers = math.ceil(c.n_layers / pp)
-    layer_params = layers * (sharded // tp + replicated)
-    emb = math.ceil(c.vocab / tp) * c.hidden
+    in_layers = layers * (sharded // tp + replicated)
+    emb = math.ceil(c.vocab_size / tp) * c.hidden
     embedding = emb + c.seq_len * c.hidden
     if pp == 1:
-        embedding += 0 if c.tied_embeddings else emb
+        embedding += 0 if c.tie_embeddings else emb
         other = 2 * c.hidden if c.bias else c.hidden  # final LayerNorm
     else:
         other = 0
-    params = layer_params + embedding + other
+    params = in_layers + embedding + other
     opt_divisor = dp if zero1 else 1
     per_param = weight_bytes + grad_bytes + optimizer_bytes / opt_divisor
     acts = activation_bytes_per_layer(
-        c.seq_len, c.micro_batch, c.hidden, c.heads, tp, sp, recompute
+        c.seq_len, c.micro_batch, c.hidden, c.n_heads, tp, sp, recompute
     )
     return Ledger(
         weights=params * weight_bytes,
@@ -323,13 +234,13 @@ def ledger(
 
 
 class _Block(nn.Module):
-    def __init__(self, c: LedgerConfig) -> None:
+    def __init__(self, c: ModelShape) -> None:
         super().__init__()
-        h, hd = c.hidden, c.hidden // c.heads
-        self.heads, self.kv_heads = c.heads, c.kv
+        h, hd = c.hidden, c.head_dim
+        self.heads, self.kv_heads = c.n_heads, c.kv_heads
         self.ln1 = nn.LayerNorm(h, bias=c.bias)
         self.q = nn.Linear(h, h, bias=c.bias)
-        self.kv_proj = nn.Linear(h, 2 * c.kv * hd, bias=c.bias)  # K and V, each kv_heads·hd
+        self.kv_proj = nn.Linear(h, 2 * c.kv_heads * hd, bias=c.bias)  # K and V, each kv_heads·hd
         self.out = nn.Linear(h, h, bias=c.bias)
         self.ln2 = nn.LayerNorm(h, bias=c.bias)
         self.fc1 = nn.Linear(h, c.ffn, bias=c.bias)
@@ -353,15 +264,15 @@ class TinyGPT(nn.Module):
     Only for checking the ledger against real tensors; the course's model comes in later lessons.
     """
 
-    def __init__(self, config: LedgerConfig) -> None:
+    def __init__(self, config: ModelShape) -> None:
         super().__init__()
         c = self.config = config
         check_parallel(c)
-        self.tok = nn.Embedding(c.vocab, c.hidden)
+        self.tok = nn.Embedding(c.vocab_size, c.hidden)
         self.pos = nn.Embedding(c.seq_len, c.hidden) if c.seq_len else None
         self.blocks = nn.ModuleList(_Block(c) for _ in range(c.n_layers))
         self.ln_f = nn.LayerNorm(c.hidden, bias=c.bias)
-        self.head = None if c.tied_embeddings else nn.Linear(c.hidden, c.vocab, bias=False)
+        self.head = None if c.tie_embeddings else nn.Linear(c.hidden, c.vocab_size, bias=False)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """idx [b, s] token ids -> logits [b, s, vocab]."""
@@ -426,9 +337,9 @@ def adamw_step(model: TinyGPT, batch: int = 2, seed: int = 0) -> torch.optim.Ada
     g = torch.Generator().manual_seed(seed)
     c = model.config
     dev = next(model.parameters()).device
-    idx = torch.randint(c.vocab, (batch, c.seq_len or 8), generator=g).to(dev)
+    idx = torch.randint(c.vocab_size, (batch, c.seq_len or 8), generator=g).to(dev)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     logits = model(idx[:, :-1])
-    F.cross_entropy(logits.reshape(-1, c.vocab), idx[:, 1:].reshape(-1)).backward()
+    F.cross_entropy(logits.reshape(-1, c.vocab_size), idx[:, 1:].reshape(-1)).backward()
     opt.step()
     return opt

@@ -1,11 +1,12 @@
-"""Cluster what-if: step time and MFU of a GPT on real hardware, from FLOPs and the α-β model.
+"""Lesson 14: cluster what-if, the step time and MFU of a GPT on real hardware, from FLOPs and
+the α-β model.
 
     step = compute + TP communication + PP bubble + PP send/recv + (1 - overlap)·DP all-reduce
 
 compute      model FLOPs per GPU / (peak · efficiency). FLOPs per token (forward + backward):
              6·N + 12·L·s·h, N = 12·L·h² + V·h (attention/MLP weights + embedding; norms and
-             biases ignored), the 12·L·s·h being q·kᵀ and probs·v (not in 6N: they have no
-             weights). With full recomputation every block's forward runs twice (the LM head's
+             biases ignored: `ModelShape.matmul_params`), the 12·L·s·h being q·kᵀ and probs·v
+             (not in 6N: they have no weights). With full recomputation every block's forward runs twice (the LM head's
              does not): 8·N - 2·V·h + 16·L·s·h executed.
 TP           4 all-reduces of b·s·h elements per layer per micro-batch (2 forward, 2 backward);
              sequence parallelism moves the same bytes. Priced by `Hardware.all_reduce`: a ring
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tpedu.analysis.shape import ModelShape
 from tpedu.comm.cost_model import AlphaBeta
 
 
@@ -97,45 +99,6 @@ V100_DGX2 = Hardware("V100 DGX-2H, NVSwitch, 8x100 Gb/s per node", 125e12, 150 *
                      6.25 * GB, gpus_per_node=16)  # fmt: skip
 HARDWARE = {"H100 SXM": H100_SXM, "H100 PCIe": H100_PCIE, "A100 SXM": A100_SXM,
             "V100 DGX-2H": V100_DGX2}  # fmt: skip
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """A GPT's shape: layers L, hidden h, heads, vocabulary V, sequence s, FFN (default 4h)."""
-
-    layers: int
-    hidden: int
-    heads: int
-    vocab: int
-    seq: int
-    ffn: int | None = None
-
-    @property
-    def params(self) -> int:
-        """N = L·(4h² + 2·h·ffn) + V·h: weights of attention, MLP and the (tied) embedding."""
-        f = 4 * self.hidden if self.ffn is None else self.ffn
-        return self.layers * (4 * self.hidden**2 + 2 * self.hidden * f) + self.vocab * self.hidden
-
-    def head_blocks(self, recompute: bool = False) -> float:
-        """The LM head's training FLOPs per token in blocks: 6·V·h over a block's
-        6·(4h² + 2·h·ffn) + 12·s·h (× 8/6 with recomputation, which repeats the blocks' forward
-        but not the head's). `pipeline.head_cost` is the same ratio for a real GPTConfig, with
-        its exact q/k/v and MLP widths."""
-        f = 4 * self.hidden if self.ffn is None else self.ffn
-        block = 6 * (4 * self.hidden**2 + 2 * self.hidden * f) + 12 * self.seq * self.hidden
-        if recompute:
-            block *= 8 / 6
-        return 6 * self.vocab * self.hidden / block
-
-    def flops_per_token(self, recompute: bool = False) -> float:
-        """Training FLOPs per token: 6·N + 12·L·s·h. With full recomputation every block's
-        forward runs twice (+2·(N - V·h) + 4·L·s·h; the LM head is not recomputed), which is
-        Narayanan et al.'s 96·L·h²·(1 + s/(6h) + V/(16·L·h))."""
-        lsh = self.layers * self.seq * self.hidden
-        flops = 6 * self.params + 12 * lsh
-        if recompute:
-            flops += 2 * (self.params - self.vocab * self.hidden) + 4 * lsh
-        return flops
 
 
 @dataclass(frozen=True)
@@ -210,32 +173,32 @@ def predict(
     bytes_per_value: int = 2,
 ) -> Prediction:
     """Predicted step time of `model` under layout `par` on `hw` (see the module docstring)."""
-    if model.heads % par.tp:
-        raise ValueError(f"{model.heads} heads are not divisible by tp={par.tp}")
-    if model.layers % (par.pp * par.chunks):
-        raise ValueError(f"{model.layers} layers do not split into pp·chunks = "
+    if model.n_heads % par.tp:
+        raise ValueError(f"{model.n_heads} heads are not divisible by tp={par.tp}")
+    if model.n_layers % (par.pp * par.chunks):
+        raise ValueError(f"{model.n_layers} layers do not split into pp·chunks = "
                          f"{par.pp}·{par.chunks} equal stages")  # fmt: skip
     m = par.n_micro
-    tokens = par.batch * model.seq
+    tokens = par.batch * model.seq_len
     model_flops = tokens * model.flops_per_token(recompute=False)
     executed = tokens * model.flops_per_token(recompute=par.recompute)
     compute = executed / par.gpus / (hw.peak_flops * efficiency)
 
-    act = par.micro * model.seq * model.hidden * bytes_per_value  # one [b, s, h] message
-    layers_here = model.layers // par.pp
+    act = par.micro * model.seq_len * model.hidden * bytes_per_value  # one [b, s, h] message
+    layers_here = model.n_layers // par.pp
     passes = 6 if par.recompute else 4  # recomputation repeats the forward's 2 all-reduces
     tp = m * passes * layers_here * hw.all_reduce(act, par.tp)
 
     busy = compute + tp  # per GPU, on average
     # The last stage's share of compute: its layers plus the head, against the average stage's.
     head = model.head_blocks(par.recompute)
-    last = (model.layers + par.pp * head) / (model.layers + head)
+    last = (model.n_layers + par.pp * head) / (model.n_layers + head)
     slots = par.chunks * m + par.pp - 1
     bubble = slots / (par.chunks * m) * (compute * last + tp) - busy
     pp_link = hw.link(par.tp * par.pp)
     pp = 0.0 if par.pp == 1 else 2 * m * par.chunks * pp_link.predict("send", act, 2)
 
-    grads = model.params / (par.tp * par.pp) * bytes_per_value
+    grads = model.matmul_params / (par.tp * par.pp) * bytes_per_value
     dp = (1 - par.dp_overlap) * hw.all_reduce(grads, par.dp, stride=par.tp * par.pp)
     return Prediction(compute, tp, bubble, pp, dp, model_flops, tokens, par.gpus, hw.peak_flops)
 
@@ -259,11 +222,12 @@ def table(rows: list[tuple[str, Prediction]]) -> str:
 
 # Megatron-LM (Shoeybi et al. 2019), Table 1 / Fig. 1: 1.2B on 1 GPU = 39 TFLOP/s (30% of peak);
 # 8.3B with tp 8 × dp 64 on 512 GPUs: 15.1 PFLOP/s, 76% weak-scaling efficiency.
-MEGATRON_2019_SMALL = ModelShape(layers=40, hidden=1536, heads=16, vocab=51200, seq=1024)
-MEGATRON_2019_8B = ModelShape(layers=72, hidden=3072, heads=32, vocab=51200, seq=1024)
+MEGATRON_2019_SMALL = ModelShape(n_layers=40, hidden=1536, n_heads=16, vocab_size=51200,
+                                 seq_len=1024)  # fmt: skip
+MEGATRON_2019_8B = ModelShape(n_layers=72, hidden=3072, n_heads=32, vocab_size=51200, seq_len=1024)
 # Narayanan et al. 2021, Table 1: 1T parameters, 3072 A100s, tp 8, pp 64, dp 6, batch 3072,
 # 163 TFLOP/s per GPU = 52% of peak (their FLOPs count the recomputation).
-NARAYANAN_1T = ModelShape(layers=128, hidden=25600, heads=160, vocab=51200, seq=2048)
+NARAYANAN_1T = ModelShape(n_layers=128, hidden=25600, n_heads=160, vocab_size=51200, seq_len=2048)
 NARAYANAN_1T_LAYOUT = Parallel(tp=8, pp=64, dp=6, batch=3072, micro=1, chunks=1, recompute=True)
 
 
@@ -284,7 +248,8 @@ def published_comparison(efficiency: float = 0.7) -> str:
     lines.append(f"Narayanan 2021, 1T on 3072 A100 (tp 8, pp 64, dp 6): {100 * frac:.0f}% of "
                  f"peak predicted, published 52%")  # fmt: skip
     # 3. Ultra-Scale Playbook TP sweep (their model: ~8B Llama-like, seq 4096; an assumption).
-    llama8b = ModelShape(layers=32, hidden=4096, heads=32, vocab=128256, seq=4096, ffn=14336)
+    llama8b = ModelShape(n_layers=32, hidden=4096, n_heads=32, vocab_size=128256, seq_len=4096,
+                         ffn_hidden=14336)  # fmt: skip
     sweep = {t: predict(llama8b, Parallel(tp=t, batch=32, micro=1), H100_SXM, efficiency)
              for t in (2, 32)}  # fmt: skip
     lines.append(f"Ultra-Scale Playbook TP 2 -> 32: tokens/s/GPU drop x"
@@ -298,8 +263,8 @@ def widget(model: ModelShape | None = None):  # noqa: ANN201 - an ipywidgets box
     import ipywidgets as w
     from IPython.display import display
 
-    model = model or ModelShape(layers=32, hidden=4096, heads=32, vocab=128256, seq=4096,
-                                ffn=14336)  # fmt: skip
+    model = model or ModelShape(n_layers=32, hidden=4096, n_heads=32, vocab_size=128256,
+                                seq_len=4096, ffn_hidden=14336)  # fmt: skip
     pow2 = lambda hi: [2**i for i in range(hi)]  # noqa: E731
     tp = w.SelectionSlider(options=pow2(7), value=8, description="tp")
     pp = w.SelectionSlider(options=pow2(6), value=1, description="pp")
@@ -317,7 +282,7 @@ def widget(model: ModelShape | None = None):  # noqa: ANN201 - an ipywidgets box
             except ValueError as e:
                 print(e)
                 return
-            print(f"{par.gpus} GPUs, global batch {par.batch} x {model.seq} tokens")
+            print(f"{par.gpus} GPUs, global batch {par.batch} x {model.seq_len} tokens")
             print(table([(f"tp {tp.value} pp {pp.value} dp {dp.value}", p)]))
 
     for s in (tp, pp, dp, hw, eff):

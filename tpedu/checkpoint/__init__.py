@@ -9,20 +9,10 @@ from tpedu.checkpoint.convert import (
     read_dense,
     read_model_dir,
     reshard,
-    save_model,
+    write_model_dir,
     write_sharded,
 )
 from tpedu.checkpoint.files import CheckpointError, replace_dir
-from tpedu.checkpoint.rules import (
-    KINDS,
-    dense_shapes,
-    merge_column,
-    merge_qkv,
-    merge_row,
-    merge_shards,
-    param_kind,
-    split_tensor,
-)
 from tpedu.checkpoint.sharded import (
     FORMAT,
     INDEX,
@@ -32,7 +22,6 @@ from tpedu.checkpoint.sharded import (
     check_file,
     check_files,
     load,
-    local_params,
     read_config,
     read_index,
     resolve,
@@ -42,6 +31,16 @@ from tpedu.checkpoint.sharded import (
     shard_file,
     step_name,
     summary,
+)
+from tpedu.model.state import (
+    KINDS,
+    dense_shapes,
+    merge_column,
+    merge_qkv,
+    merge_row,
+    merge_shards,
+    param_kind,
+    split_tensor,
 )
 
 __all__ = [
@@ -61,7 +60,6 @@ __all__ = [
     "import_dense",
     "load",
     "load_model_files",
-    "local_params",
     "merge_column",
     "merge_qkv",
     "merge_row",
@@ -77,7 +75,7 @@ __all__ = [
     "resume_from",
     "save",
     "save_if_due",
-    "save_model",
+    "write_model_dir",
     "shard_file",
     "split_tensor",
     "step_name",

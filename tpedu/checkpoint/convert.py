@@ -3,22 +3,14 @@
 from __future__ import annotations
 
 import json
-import tempfile
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
 import torch._dynamo  # noqa: F401 - the optimizers import it (≈3-5 s): once here, not per forked rank
-import torch.distributed as dist
 from safetensors.torch import save_file
 
 import tpedu
 from tpedu.checkpoint.files import CheckpointError, _export_tmp, replace_dir
-from tpedu.checkpoint.rules import (
-    dense_shapes,
-    param_kind,
-    split_tensor,
-)
 from tpedu.checkpoint.sharded import (
     FORMAT,
     _finalize,
@@ -30,32 +22,33 @@ from tpedu.checkpoint.sharded import (
     resolve,
 )
 from tpedu.model.config import GPTConfig
-from tpedu.model.gpt import TPGPT
+from tpedu.model.state import (
+    dense_shapes,
+    param_kind,
+    split_tensor,
+)
 from tpedu.parallel.pipeline.schedules import stage_layers, stage_of
 from tpedu.train.data import tokenizer
 
 
-def save_model(model: TPGPT, cfg: object, out: str | Path, tok: object | None) -> None:
-    """Gather the dense weights (collective) and write them atomically from rank 0."""
-    from tpedu.checkpoint.convert import DENSE_FORMAT
-    from tpedu.checkpoint.files import replace_dir
-
-    state = model.gather_state_dict()
-    if dist.get_rank() != 0:
-        return
+def write_model_dir(out: str | Path, config: GPTConfig, state: dict[str, torch.Tensor],
+                    train: dict | None = None, tok: object | None = None) -> Path:  # fmt: skip
+    """Write a dense model directory (config.json, model.safetensors, tokenizer.json) from one
+    process, atomically: into a temporary sibling, then `replace_dir`. `out` must be absent or
+    a model directory (`check_replaceable`): whatever else is there is never replaced."""
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    tmp = _export_tmp(out)
     save_file({k: v.contiguous().cpu() for k, v in state.items()}, tmp / "model.safetensors")
-    meta = {"model": model.config.to_dict(), "train": asdict(cfg), "format": DENSE_FORMAT}
+    meta = {"model": config.to_dict(), "train": train, "format": DENSE_FORMAT}
     (tmp / "config.json").write_text(json.dumps(meta, indent=2))
     if tok is not None:
         tok.save(tmp / "tokenizer.json")
     replace_dir(tmp, out)  # the previous model stays complete until the new one is in place
+    return out
 
 
 def load_model_files(path: str | Path) -> tuple[GPTConfig, dict[str, torch.Tensor], object]:
-    """(config, dense state dict, tokenizer) from a directory written by `save_model`, checked
+    """(config, dense state dict, tokenizer) from a directory written by `write_model_dir`, checked
     (format, config, tensor names and shapes) by `checkpoint.read_model_dir`."""
     from tpedu.checkpoint.convert import read_model_dir
 
@@ -136,20 +129,9 @@ def _tokenizer(step_dir: Path) -> object | None:
 def export_dense(src: str | Path, out: str | Path) -> Path:
     """A checkpoint -> a dense model directory, the format of `train --out` (config.json,
     model.safetensors, tokenizer.json if saved): `tpedu generate --model OUT` runs it."""
-    from safetensors.torch import save_file
-
     config, tensors, index = read_dense(src)
-    state = {k: v.contiguous() for k, v in tensors.items() if "/" not in k}
-    out = Path(out)
-    tmp = _export_tmp(out)
-    save_file(state, tmp / "model.safetensors")
-    meta = {"model": config.to_dict(), "train": index.get("train"), "format": DENSE_FORMAT}
-    (tmp / "config.json").write_text(json.dumps(meta, indent=2))
-    tok = _tokenizer(resolve(src))
-    if tok is not None:
-        tok.save(tmp / "tokenizer.json")
-    replace_dir(tmp, out)
-    return out
+    state = {k: v for k, v in tensors.items() if "/" not in k}
+    return write_model_dir(out, config, state, index.get("train"), _tokenizer(resolve(src)))
 
 
 def read_model_dir(model_dir: str | Path) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
@@ -178,7 +160,7 @@ def read_model_dir(model_dir: str | Path) -> tuple[GPTConfig, dict[str, torch.Te
     if not isinstance(meta.get("model"), dict):
         raise CheckpointError(f"{where} has no field 'model' (the GPTConfig); the file is damaged")
     try:
-        config = GPTConfig(**meta["model"])
+        config = GPTConfig.from_dict(meta["model"])
         config.check()
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{where}: field 'model' is not a valid GPTConfig ({e})") from None

@@ -61,15 +61,15 @@ from torch import nn
 
 import tpedu
 from tpedu.checkpoint.files import CheckpointError, _fsync_dir, _sha256, _write_bytes, replace_dir
-from tpedu.checkpoint.rules import (
-    dense_shapes,
-    merge_shards,
-    param_kind,
-    split_tensor,
-)
 from tpedu.comm import collectives
 from tpedu.model.config import GPTConfig
 from tpedu.model.gpt import TPGPT
+from tpedu.model.state import (
+    dense_shapes,
+    merge_shards,
+    shard_map,
+    split_tensor,
+)
 from tpedu.parallel.pipeline.schedules import stage_layers
 
 FORMAT = "tpedu-sharded-1"
@@ -83,44 +83,6 @@ LATEST = "latest"
 
 # Config fields that choose how the model runs, not what its tensors are: they may differ.
 LAYOUT_ONLY = ("sequence_parallel", "recompute", "fused_attention", "overlap_comm", "stage_split")
-
-
-def local_params(model: TPGPT | Sequence[TPGPT]) -> list[tuple[str, nn.Parameter, bool]]:
-    """(dense name, this rank's parameter, is_tied_copy) for every parameter of a TPGPT stage
-    (or a rank's list of pipeline chunks). `is_tied_copy`: the last stage's copy of a tied
-    embedding table (named tok_emb.weight; not saved, loaded from the first stage's table)."""
-    chunks = [model] if isinstance(model, nn.Module) else list(model)
-    out: list[tuple[str, nn.Parameter, bool]] = []
-
-    def mod(prefix: str, m: nn.Module | None) -> None:
-        if m is not None:
-            out.extend((f"{prefix}.{n}", p, False) for n, p in m.named_parameters())
-
-    for m in chunks:
-        if m.first:
-            out.append(("tok_emb.weight", m.tok_emb.weight, False))
-        mod("pos_emb", m.pos_emb)
-        for i, b in zip(m.layer_ids, m.blocks, strict=True):
-            pre = f"blocks.{i}"
-            mod(f"{pre}.norm1", b.norm1)
-            mod(f"{pre}.norm2", b.norm2)
-            out.append((f"{pre}.attn.qkv.weight", b.attn.qkv_weight, False))
-            if b.attn.qkv_bias is not None:
-                out.append((f"{pre}.attn.qkv.bias", b.attn.qkv_bias, False))
-            mod(f"{pre}.attn.out", b.attn.out_proj)
-            for name in ("fc1", "up", "fc2"):
-                mod(f"{pre}.mlp.{name}", getattr(b.mlp, name))
-        if m.last:
-            mod("norm_f", m.norm_f)
-        if m.lm_head is not None:
-            tied = m.config.tie_embeddings
-            out.append(("tok_emb.weight" if tied else "lm_head.weight", m.lm_head.weight, tied))
-        known = {id(p) for _, p, _ in out}
-        unknown = [n for n, p in m.named_parameters() if id(p) not in known]
-        if unknown:  # a parameter the format does not know would silently not be saved
-            raise CheckpointError(f"tpedu.checkpoint does not know how to save {unknown}; "
-                                  "add it to checkpoint.local_params")  # fmt: skip
-    return out
 
 
 def _optimizer_view(opt: object | None) -> tuple[torch.optim.Optimizer | None, set[int]]:
@@ -160,7 +122,7 @@ def _write_shard(tmp: Path, coords: tuple[int, int, int], tensors: dict[str, tor
 
 def _finalize(root: Path, tmp: Path, step: int, header: dict, tok: object | None) -> Path:
     """Index the shard files in `tmp`, write index.json, rename to step_N, then move `latest`."""
-    config = GPTConfig(**header["model"])
+    config = GPTConfig.from_dict(header["model"])
     shapes = dense_shapes(config)
     tensors: dict[str, dict] = {}
     files: dict[str, dict] = {}
@@ -303,13 +265,12 @@ def _rank_tensors(chunks: list[TPGPT], opt: object | None, coords: tuple[int, in
     """What this rank writes: its parameters (dp rank 0 only; replicated ones by tp rank 0 only)
     and the optimizer state it holds (every dp rank with ZeRO-1, else dp rank 0)."""
     tp_rank, _, dp_rank = coords
-    config = chunks[0].config
     inner, managed = _optimizer_view(opt)
     tensors: dict[str, torch.Tensor] = {}
     kinds: dict[str, str] = {}
-    for name, p, tied_copy in local_params(chunks):
-        kind = param_kind(name, config)
-        if tied_copy or (kind == "replicated" and tp_rank):
+    for e in shard_map(chunks):
+        name, p, kind = e.name, e.param, e.stored_kind
+        if e.tied_copy or (kind == "replicated" and tp_rank):
             continue
         if dp_rank == 0:
             tensors[name], kinds[name] = p.detach(), kind
@@ -364,7 +325,7 @@ def read_config(path: str | Path) -> GPTConfig:
     """The model config a checkpoint was saved with."""
     step_dir, index = read_index(path)
     try:
-        return GPTConfig(**index["model"])
+        return GPTConfig.from_dict(index["model"])
     except TypeError as e:
         raise CheckpointError(
             f"{step_dir / INDEX}: field 'model' is not a GPTConfig ({e})"
@@ -487,8 +448,8 @@ def load(path: str | Path, model: TPGPT | Sequence[TPGPT], opt: object | None = 
         if inner is not None and managed and index["step"] > 0 and not state_keys:
             raise CheckpointError(f"{step_dir / INDEX} holds no optimizer state "
                                   "(saved without one); load it with opt=None")  # fmt: skip
-        for name, p, _ in local_params(chunks):
-            kind = param_kind(name, config)
+        for e in shard_map(chunks):
+            name, p, kind = e.name, e.param, e.stored_kind
             local = split_tensor(reader.dense(name, config, shapes[name]), kind, tp, rank, config)
             if local.shape != p.shape:
                 raise CheckpointError(f"{name}: the checkpoint gives this rank a "

@@ -1,4 +1,4 @@
-"""Thin, traced wrappers over `torch.distributed` collectives.
+"""Lesson 02: thin, traced wrappers over `torch.distributed` collectives.
 
 Every tensor-parallel module in tpedu communicates through these functions, so a `CommTracer`
 sees every byte. Each takes an optional process `group` (default: all ranks). Groups can be

@@ -1,4 +1,4 @@
-"""The α-β model of collective cost: time = (number of steps)·α + (bytes each rank sends)·β.
+"""Lesson 02: the α-β model of collective cost: time = (steps)·α + (bytes each rank sends)·β.
 
 α is the fixed latency of one message, β the seconds per byte (1/bandwidth). For the ring
 algorithms NCCL and gloo use on t ranks and a tensor of n bytes, each rank sends:

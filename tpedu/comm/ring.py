@@ -1,4 +1,4 @@
-"""A ring all-reduce written with point-to-point messages only (send/recv): NCCL's ring algorithm.
+"""Lesson 02: a ring all-reduce built from send/recv alone: NCCL's ring algorithm.
 
 t ranks stand in a ring; each sends only to its right neighbour and receives only from its left.
 The tensor is cut into t chunks (uneven when its size does not divide by t) and reduced in two

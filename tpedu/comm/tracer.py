@@ -1,5 +1,5 @@
-"""Record every collective that `tpedu.comm.collectives` runs: which group, which op, how many bytes,
-and whether it ran in the forward or the backward pass.
+"""Lesson 02: record every collective that `tpedu.comm.collectives` runs: which group, which op,
+how many bytes, and whether it ran in the forward or the backward pass.
 
     with CommTracer() as trace:
         loss = model(x).sum()

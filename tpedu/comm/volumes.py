@@ -1,4 +1,10 @@
-"""TODO"""
+"""Lesson 02: how much each rank sends, and in how many steps, for each collective on t ranks.
+
+`ring_bytes(op, n, t)` is the bytes one rank sends for a tensor of n bytes under the ring
+algorithms NCCL and gloo use (all-reduce 2(t-1)/t·n, all-gather and reduce-scatter (t-1)/t·n);
+`ring_steps(op, t)` is the number of sequential messages, each paying the latency α. The tracer
+(tpedu.comm.tracer) and the α-β model (tpedu.comm.cost_model) both count with them.
+"""
 
 from __future__ import annotations
 

@@ -304,9 +304,6 @@ BUGS: dict[str, Bug] = {
     ]
 }  # fmt: skip
 
-PENDING: dict[str, str] = {}  # bugs waiting for a part of tpedu that does not exist yet
-
-
 def broken(name: str) -> contextlib.AbstractContextManager:
     """The broken variant `name` (a context manager that monkeypatches one thing in tpedu)."""
     if name not in BUGS:
@@ -324,5 +321,4 @@ def catalogue() -> str:
     """A text table of the zoo: name, ranks, what is wrong."""
     lines = [f"{'bug':<26} {'ranks':>5}  what is wrong", "-" * 90]
     lines += [f"{b.name:<26} {b.world:>5}  {b.title}" for b in BUGS.values()]
-    lines += [f"{n:<26} {'-':>5}  pending: {why}" for n, why in PENDING.items()]
     return "\n".join(lines)

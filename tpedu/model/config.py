@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 from tpedu.tp.attention import check_heads
 from tpedu.tp.sequence_parallel import (
@@ -39,7 +39,6 @@ class GPTConfig:
     fused_attention: bool = True  # flash attention (SDPA) whenever no dropout mask is drawn
     overlap_comm: bool = False  # TPGPT: f's backward all-reduce overlapped with dL/dW (lesson 14)
     stage_split: str = "even"  # pipeline: "even" blocks per stage, or "flops" (head counted)
-    extra: dict = field(default_factory=dict)
 
     @property
     def kv_heads(self) -> int:
@@ -74,6 +73,12 @@ class GPTConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, fields: dict) -> GPTConfig:
+        """A config from `to_dict()`'s output, also as older tpedu versions stored it (they kept
+        an unused `extra` field: dropped)."""
+        return cls(**{k: v for k, v in fields.items() if k != "extra"})
 
     @classmethod
     def gpt2_like(cls, vocab_size: int, **overrides: object) -> GPTConfig:

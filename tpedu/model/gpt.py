@@ -37,10 +37,11 @@ from tpedu.model.dense import (
     DenseGPT,
     _embed,
 )
+from tpedu.model.state import merge_shards, shard_map
 from tpedu.tp.attention import ParallelAttention
 from tpedu.tp.dropout import derive_seed, index_dropout
 from tpedu.tp.embedding import ReplicatedEmbedding, VocabParallelEmbedding
-from tpedu.tp.layers import ColumnParallelLinear, RowParallelLinear, column_parallel_linear
+from tpedu.tp.layers import column_parallel_linear
 from tpedu.tp.mlp import ParallelMLP
 from tpedu.tp.sequence_parallel import (
     all_gather_linear,
@@ -261,26 +262,11 @@ class TPGPT(nn.Module):
         return sq
 
     def _count_copies(self) -> dict[str, float | torch.Tensor]:
-        """{parameter name: ranks holding a copy} for the parameters that are not fully
-        replicated. Keyed by name, which survives .to() and to_empty() (they may replace the
-        Parameter objects). The counts are on the device the model is built on (usually the
-        CPU); squared_grad_sum moves a count to its gradient's device.
-        """
-        copies: dict[str, float | torch.Tensor] = {}
-        for prefix, m in self.named_modules():
-            at = f"{prefix}." if prefix else ""
-            if isinstance(m, (ColumnParallelLinear, VocabParallelEmbedding)):
-                copies.update({at + n: 1.0 for n, _ in m.named_parameters(recurse=False)})
-            elif isinstance(m, RowParallelLinear):
-                copies[at + "weight"] = 1.0  # its bias is replicated
-            elif isinstance(m, ParallelAttention):
-                d = m.head_dim
-                rows = torch.ones(m.qkv_weight.shape[0], dtype=torch.float64)
-                rows[len(m.q_heads) * d :] = m.kv_replicas
-                copies[at + "qkv_weight"] = rows.to(m.qkv_weight.device)[:, None]
-                if m.qkv_bias is not None:
-                    copies[at + "qkv_bias"] = rows.to(m.qkv_bias.device)
-        return copies
+        """{local parameter name: ranks holding a copy}, from the shard map. Keyed by name,
+        which survives .to() and to_empty() (they may replace the Parameter objects). The counts
+        are on the device the model is built on; squared_grad_sum moves one to its gradient's
+        device."""
+        return {e.local: e.copies for e in shard_map(self)}
 
     def sync_grads(self, sequence_parallel_grads: bool = True) -> None:
         """Gradient fix-ups TP needs after backward, over the TP group: replicated KV heads
@@ -298,45 +284,22 @@ class TPGPT(nn.Module):
                 allreduce_sequence_parallel_grads(sequence_parallel_params(self), self.group)
 
     def gather_state_dict(self, grads: bool = False) -> dict[str, torch.Tensor]:
-        """The dense state dict (or dense-layout gradients) with DenseGPT's keys. Collective.
+        """The dense state dict (or dense-layout gradients) with DenseGPT's keys. Collective:
+        1 all-gather over the TP group per split parameter.
 
-        A pipeline stage returns only the keys it holds (blocks under their global index).
+        A pipeline stage returns only the keys it holds (blocks under their global index); the
+        last stage's copy of a tied embedding is left out (the first stage holds the table).
         """
         out: dict[str, torch.Tensor] = {}
-
-        def put(name: str, value: torch.Tensor | None) -> None:
-            if value is not None:
-                out[name] = value.detach().clone()
-
-        def replicated(prefix: str, module: nn.Module) -> None:
-            for n, p in module.named_parameters():
-                put(f"{prefix}.{n}", p.grad if grads else p)
-
-        if self.first:
-            put("tok_emb.weight", _embedding_dense(self.tok_emb, grads))
-        if self.pos_emb is not None:
-            replicated("pos_emb", self.pos_emb)
-        for i, b in zip(self.layer_ids, self.blocks, strict=True):
-            pre = f"blocks.{i}"
-            replicated(f"{pre}.norm1", b.norm1)
-            replicated(f"{pre}.norm2", b.norm2)
-            put(f"{pre}.attn.qkv.weight", b.attn.dense_qkv_weight(grads))
-            put(f"{pre}.attn.qkv.bias", b.attn.dense_qkv_bias(grads))
-            put(f"{pre}.attn.out.weight", b.attn.out_proj.dense_weight(grads))
-            put(f"{pre}.attn.out.bias", b.attn.out_proj.dense_bias(grads))
-            for name in ("fc1", "up", "fc2"):
-                layer = getattr(b.mlp, name)
-                if layer is not None:
-                    put(f"{pre}.mlp.{name}.weight", layer.dense_weight(grads))
-                    put(f"{pre}.mlp.{name}.bias", layer.dense_bias(grads))
-        if self.last:
-            replicated("norm_f", self.norm_f)
-        if self.lm_head is not None and not self.config.tie_embeddings:
-            put("lm_head.weight", _embedding_dense(self.lm_head, grads))
+        for e in shard_map(self):
+            value = e.param.grad if grads else e.param
+            if e.tied_copy or value is None:
+                continue
+            if e.kind in ("replicated", "sequence"):
+                out[e.name] = value.detach().clone()
+                continue
+            shards = collectives.all_gather(value.detach().contiguous(), self.group, dim=0)
+            rows = self.config.vocab_size if e.kind == "vocab" else None
+            out[e.name] = merge_shards(shards.chunk(self.tp), e.kind, self.config, rows)
         return out
 
-
-def _embedding_dense(emb: nn.Module, grads: bool) -> torch.Tensor:
-    if isinstance(emb, VocabParallelEmbedding):
-        return emb.dense_grad() if grads else emb.dense_weight()
-    return emb.weight.grad if grads else emb.weight

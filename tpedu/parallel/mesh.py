@@ -32,10 +32,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from tpedu.comm import collectives
-
-
-def _divisors(n: int) -> str:
-    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+from tpedu.tp.sharding import divisors
 
 
 @dataclass(frozen=True)
@@ -61,7 +58,7 @@ class Layout:
             raise ValueError(
                 f"tp·pp·dp = {self.tp}·{self.pp}·{self.dp} = {self.world} does not match the "
                 f"world size {world}; choose tp, pp, dp whose product is {world} "
-                f"(each a divisor of it: {_divisors(world)})"
+                f"(each a divisor of it: {', '.join(map(str, divisors(world)))})"
             )
 
     def coords(self, rank: int) -> tuple[int, int, int]:
@@ -208,7 +205,7 @@ def layout_widget(world: int = 128, gpus_per_node: int = 8):  # noqa: ANN201
     import ipywidgets as widgets
     import matplotlib.pyplot as plt
 
-    divs = [d for d in range(1, world + 1) if world % d == 0]
+    divs = divisors(world)
     tp = widgets.Dropdown(options=divs, value=4 if 4 in divs else 1, description="tp")
     pp = widgets.Dropdown(options=divs, value=4 if 4 in divs else 1, description="pp")
     rank = widgets.BoundedIntText(value=0, min=0, max=world - 1, description="rank")

@@ -1,4 +1,5 @@
-"""Self-attention split by heads (seed §2.3): each rank computes its own heads, end to end.
+"""Lesson 05: self-attention split by heads (seed §2.3): each rank computes its own heads, end to
+end.
 
 Heads are independent until the output projection, so with t ranks and nq query heads rank r
 computes heads [r·nq/t, (r+1)·nq/t) and nothing moves until the end:
@@ -45,12 +46,16 @@ from tpedu.tp.dropout import derive_seed, index_dropout
 from tpedu.tp.layers import RowParallelLinear, column_parallel_linear
 from tpedu.tp.rope import apply_rope
 from tpedu.tp.sequence_parallel import all_gather_linear
+from tpedu.tp.sharding import divisors
 
 
-def valid_tp_sizes(n_heads: int, n_kv_heads: int | None = None) -> list[int]:
+def tp_sizes_for_heads(n_heads: int, n_kv_heads: int | None = None) -> list[int]:
     """tp sizes that split `n_heads` query heads evenly and split or replicate the KV heads."""
     nkv = n_heads if n_kv_heads is None else n_kv_heads
-    return [t for t in range(1, n_heads + 1) if n_heads % t == 0 and (nkv % t == 0 or t % nkv == 0)]
+    return [t for t in divisors(n_heads) if nkv % t == 0 or t % nkv == 0]
+
+
+valid_tp_sizes = tp_sizes_for_heads  # the old name; callers are moving (then remove this)
 
 
 def check_heads(n_heads: int, n_kv_heads: int | None, tp: int) -> None:
@@ -61,7 +66,7 @@ def check_heads(n_heads: int, n_kv_heads: int | None, tp: int) -> None:
             f"n_heads = {n_heads} must be a positive multiple of n_kv_heads = {nkv} "
             "(each KV head serves the same number of query heads)"
         )
-    valid = ", ".join(str(v) for v in valid_tp_sizes(n_heads, nkv))
+    valid = ", ".join(str(v) for v in tp_sizes_for_heads(n_heads, nkv))
     if tp < 1 or n_heads % tp:
         raise ValueError(f"{n_heads} heads are not divisible by tp={tp}; valid tp values: {valid}")
     if nkv % tp and tp % nkv:
@@ -192,6 +197,13 @@ class ParallelAttention(nn.Module):
     def kv_replicas(self) -> int:
         """How many ranks hold a copy of each KV head (1 unless tp > n_kv_heads)."""
         return max(1, self.tp // self.n_kv_heads)
+
+    def qkv_copies(self) -> torch.Tensor:
+        """Ranks holding each row of this rank's fused QKV weight [rows] (float64): 1 for the q
+        rows, kv_replicas for the k and v rows (the shard map's replica counts)."""
+        rows = torch.ones(self.qkv_weight.shape[0], dtype=torch.float64)
+        rows[len(self.q_heads) * self.head_dim :] = self.kv_replicas
+        return rows
 
     def forward(self, x: torch.Tensor, step: int = 0) -> torch.Tensor:
         """x [b, s, H] -> [b, s, H] (sequence_parallel: [b, s/t, H] -> [b, s/t, H]).

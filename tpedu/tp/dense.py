@@ -1,4 +1,5 @@
-"""Dense, single-process references: plain torch, no communication.
+"""Lesson 04: dense, single-process references: plain torch, no communication (DenseAttention
+from lesson 05 on).
 
 Every tensor-parallel module in tpedu is tested against (and built from) one of these: build the
 dense module, shard it into the parallel one, and compare forward and backward.
@@ -16,7 +17,7 @@ from tpedu.tp.dropout import derive_seed, index_dropout
 from tpedu.tp.rope import apply_rope
 
 # ---------------------------------------------------------------------------------------------
-# MLP (engineer A)
+# DenseMLP: the single-process reference for tpedu.tp.mlp.
 # ---------------------------------------------------------------------------------------------
 
 # Elementwise activations: each output element depends on its own input only, which is why a
@@ -83,13 +84,9 @@ class DenseMLP(nn.Module):
                              training=self.training)  # fmt: skip
 
 
-# ---------------------------------------------------------------------------------------------
-# end of the MLP block (engineer A). Attention references (engineer B) go below.
-# ---------------------------------------------------------------------------------------------
-
 
 # ---------------------------------------------------------------------------------------------
-# DenseAttention (engineer B): the single-process reference for tpedu.tp.attention.
+# DenseAttention: the single-process reference for tpedu.tp.attention.
 # ---------------------------------------------------------------------------------------------
 
 

@@ -1,4 +1,5 @@
-"""Dropout whose mask is a function of (seed, global element index): TP == dense with dropout on.
+"""Lesson 04: dropout whose mask is a function of (seed, global element index): TP == dense with
+dropout on.
 
 torch's dropout draws its mask from a generator's stream, so the mask of an element depends on
 how many numbers were drawn before it: a TP rank holding columns [r·n, (r+1)·n) of a [b, s, H]

@@ -1,4 +1,4 @@
-"""Token embeddings under tensor parallelism: replicated, or split along the vocabulary.
+"""Lesson 06: token embeddings under tensor parallelism: replicated, or split along the vocabulary.
 
 A 50k × 4096 table is 204.8M parameters (seed §1.1). Two ways to hold it on t ranks:
 

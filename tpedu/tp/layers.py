@@ -1,4 +1,4 @@
-"""Column- and row-parallel linear layers (seed §2.1 and §4.2), built from a dense weight.
+"""Lesson 04: column- and row-parallel linear layers (seed §2.1, §4.2), built from a dense weight.
 
 Weights follow nn.Linear: weight [out, in], y = x·Wᵀ + b. With t = tp size and r = tp rank:
 

@@ -1,4 +1,4 @@
-"""Column and row splits of one matmul Y = X·W, on one process ("ranks" are list entries).
+"""Lesson 01: column and row splits of one matmul Y = X·W, on one process ("ranks": list entries).
 
 Convention (the seed's): X is [batch, in], W is [in, out], Y = X·W is [batch, out].
 torch.nn.Linear stores its weight as [out, in] and computes X·weightᵀ, so W = weight.T: a column

@@ -1,4 +1,5 @@
-"""The tensor-parallel MLP: column-parallel fc1, elementwise activation, row-parallel fc2.
+"""Lesson 04: the tensor-parallel MLP: column-parallel fc1, elementwise activation, row-parallel
+fc2.
 
     x [..., H] ─f─► fc1 (column, [F/t, H]) ─► act ─► [dropout] ─► fc2 (row, [H, F/t]) ─f̄─► + b ─► y [..., H]
        replicated       hidden [..., F/t] stays on its rank: no communication      replicated

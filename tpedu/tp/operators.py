@@ -1,4 +1,4 @@
-"""The conjugate operators of tensor parallelism, as autograd Functions (seed §2.2: f and f̄).
+"""Lesson 03: the conjugate operators of tensor parallelism, as autograd Functions (seed §2.2).
 
 Megatron-LM's insight: a tensor-parallel region needs communication only at its two edges, and
 each edge's forward and backward are conjugate (what one does forward, the other does backward):
@@ -28,15 +28,13 @@ import torch
 import torch.distributed as dist
 
 from tpedu.comm import collectives
-from tpedu.tp.sharding import check_divisible
+from tpedu.tp.sharding import rank_chunk
 
 
 def _own_chunk(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """Rank r's chunk [..., n/t] of x [..., n] along the last dim (contiguous copy)."""
     t, r = dist.get_world_size(group), dist.get_rank(group)
-    n = x.shape[-1]
-    check_divisible(n, t, "last dimension")
-    return x.narrow(-1, r * (n // t), n // t).contiguous()
+    return rank_chunk(x, -1, r, t, "last dimension").contiguous()
 
 
 class CopyToTPRegion(torch.autograd.Function):

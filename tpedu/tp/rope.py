@@ -1,5 +1,5 @@
-"""Rotary position embeddings (RoPE), as in Llama: rotate each (x_i, x_{i+d/2}) pair of a query
-or key by an angle that grows with the position.
+"""Lesson 07: rotary position embeddings (RoPE), as in Llama: rotate each (x_i, x_{i+d/2}) pair
+of a query or key by an angle that grows with the position.
 
 RoPE acts on each head independently and identically, so under tensor parallelism every rank
 applies it to its own heads with no communication and no change: a TP attention with RoPE is the

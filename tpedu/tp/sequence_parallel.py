@@ -1,5 +1,5 @@
-"""Sequence parallelism (序列并行, Korthikanti et al. 2022): the parts of a block that tensor
-parallelism leaves replicated (LayerNorm, dropout, residual adds) run on sequence shards.
+"""Lesson 08: sequence parallelism (序列并行, Korthikanti et al. 2022): the parts of a block that
+tensor parallelism leaves replicated (LayerNorm, dropout, residual adds) run on sequence shards.
 
 Activations are [b, s, H]; with t ranks, rank r holds positions [r·s/t, (r+1)·s/t) of the
 sequence between the tensor-parallel regions. The conjugate operators (dim = the sequence dim):
@@ -41,6 +41,7 @@ from torch import nn
 
 from tpedu.comm import collectives
 from tpedu.tp.dropout import index_dropout
+from tpedu.tp.sharding import divisors, rank_chunk
 
 SEQ_DIM = 1  # tpedu's activations are [b, s, H]
 
@@ -48,7 +49,7 @@ SEQ_DIM = 1  # tpedu's activations are [b, s, H]
 def check_sequence_length(s: int, tp: int) -> None:
     """Raise a ValueError naming s, tp and the valid tp values unless tp divides s."""
     if tp < 1 or s % tp:
-        valid = ", ".join(str(d) for d in range(1, s + 1) if s % d == 0)
+        valid = ", ".join(str(d) for d in divisors(s))
         raise ValueError(
             f"sequence length s = {s} is not divisible by tp={tp}: sequence parallelism gives "
             f"each rank s/tp positions; use a sequence length that divides (tp values valid for "
@@ -62,8 +63,7 @@ def sequence_chunk(
     """Rank r's chunk of x along `dim`: [.., s, ..] -> [.., s/t, ..] (a contiguous copy)."""
     t, r = dist.get_world_size(group), dist.get_rank(group)
     check_sequence_length(x.shape[dim], t)
-    n = x.shape[dim] // t
-    return x.narrow(dim, r * n, n).contiguous()
+    return rank_chunk(x, dim, r, t).contiguous()
 
 
 def sequence_offset(local_len: int, group: dist.ProcessGroup | None) -> int:

@@ -1,4 +1,4 @@
-"""The loss and the sampler over logits split along the vocabulary (seed §2.4, §5.5).
+"""Lesson 06: the loss and the sampler over logits split along the vocabulary (seed §2.4, §5.5).
 
 With a vocab-parallel output layer, rank r holds logits [..., Vp/t]: columns [r·Vp/t, (r+1)·Vp/t)
 of the padded vocabulary. Gathering the full [b, s, V] logits to compute the loss would move

@@ -13,16 +13,16 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
-from types import SimpleNamespace
+from pathlib import Path
 
 import torch
 import torch._dynamo  # noqa: F401 - the optimizers import it (≈3-5 s): once here, not per forked rank
 import torch.distributed as dist
 from tqdm import tqdm
 
-from tpedu.checkpoint.convert import save_model
+from tpedu.checkpoint.convert import write_model_dir
 from tpedu.comm import collectives
 from tpedu.launcher import device
 from tpedu.model.config import GPTConfig
@@ -132,34 +132,61 @@ def train_step(model: TPGPT, opt: torch.optim.Optimizer, x: torch.Tensor, y: tor
 def train(config: GPTConfig, cfg: TrainConfig, train_ids: torch.Tensor, val_ids: torch.Tensor,
           out: str | None = None, tok: object | None = None) -> dict:  # fmt: skip
     """Train on every rank of the default group (tp = world size); return a summary dict."""
-    rank, tp = dist.get_rank(), dist.get_world_size()
+    tp = dist.get_world_size()
     model = build_model(config, cfg.seed)
     opt = make_optimizer(model, cfg)
     from tpedu import checkpoint  # lesson 13: resume at any layout; periodic sharded saves
 
     first = checkpoint.resume_from(cfg, model, opt)  # 0 unless cfg.resume
-    history: list[dict] = []
-    losses: list[float] = []
-    start = time.perf_counter()
-    bar = tqdm(range(first, cfg.steps), disable=not (cfg.progress and rank == 0),
-               desc=f"train tp={tp}")  # fmt: skip
-    for step in bar:
-        x, y = packed_batch(train_ids, cfg.batch, config.seq_len, step, cfg.seed)
-        loss, norm = train_step(model, opt, x.to(device()), y.to(device()), step, cfg)
-        losses.append(loss)
-        checkpoint.save_if_due(cfg, step + 1, model, opt, tok=tok)
-        bar.set_postfix(loss=f"{loss:.3f}")
-        if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
-            val = evaluate(model, val_ids, cfg, cfg.eval_batches)
-            history.append(
-                {"step": step + 1, "train_loss": loss, "val_loss": val, "grad_norm": norm}
-            )
-            if rank == 0 and cfg.progress:
-                bar.write(f"step {step + 1:>5}: train loss {loss:.4f}  val loss {val:.4f}")
-    summary = _summary(config, cfg, losses, history, time.perf_counter() - start, model, tp=tp)
+
+    def step(k: int) -> tuple[float, float]:
+        x, y = packed_batch(train_ids, cfg.batch, config.seq_len, k, cfg.seed)
+        return train_step(model, opt, x.to(device()), y.to(device()), k, cfg)
+
+    losses, history, seconds = run_loop(
+        cfg, first, f"train tp={tp}", step,
+        evaluate=lambda: evaluate(model, val_ids, cfg, cfg.eval_batches),
+        save=lambda k: checkpoint.save_if_due(cfg, k, model, opt, tok=tok),
+    )  # fmt: skip
+    summary = _summary(config, cfg, losses, history, seconds, model, tp=tp)
     if out is not None:
-        save_model(model, cfg, out, tok)
+        _write_dense(model.gather_state_dict(), config, cfg, out, tok)
     return summary
+
+
+def run_loop(cfg: TrainConfig, first: int, desc: str, step: Callable[[int], tuple[float, float]],
+             evaluate: Callable[[], float],
+             save: Callable[[int], object]) -> tuple[list[float], list[dict], float]:  # fmt: skip
+    """The one training loop of every layout (TP only, 3D): returns (losses, history, seconds).
+
+    Runs optimizer steps first .. cfg.steps-1; `step(k)` runs step k on this rank and returns
+    (loss, gradient norm), the same on every rank. After each step `save(k + 1)` (a sharded
+    checkpoint when due); every cfg.eval_every steps and at the end, `evaluate()` gives the
+    validation loss. The progress bar and the evaluation lines are rank 0's.
+    """
+    rank0 = dist.get_rank() == 0
+    losses: list[float] = []
+    history: list[dict] = []
+    start = time.perf_counter()
+    bar = tqdm(range(first, cfg.steps), disable=not (cfg.progress and rank0), desc=desc)
+    for k in bar:
+        loss, norm = step(k)
+        losses.append(loss)
+        save(k + 1)
+        bar.set_postfix(loss=f"{loss:.3f}")
+        if cfg.eval_every and ((k + 1) % cfg.eval_every == 0 or k + 1 == cfg.steps):
+            val = evaluate()
+            history.append({"step": k + 1, "train_loss": loss, "val_loss": val, "grad_norm": norm})
+            if rank0 and cfg.progress:
+                bar.write(f"step {k + 1:>5}: train loss {loss:.4f}  val loss {val:.4f}")
+    return losses, history, time.perf_counter() - start
+
+
+def _write_dense(state: dict[str, torch.Tensor], config: GPTConfig, cfg: TrainConfig,
+                 out: str | Path, tok: object | None) -> None:  # fmt: skip
+    """Rank 0 writes the gathered dense state as a model directory (`train --out`)."""
+    if dist.get_rank() == 0:
+        write_model_dir(out, config, state, asdict(cfg), tok)
 
 
 def _summary(config: GPTConfig, cfg: TrainConfig, losses: list[float], history: list[dict],
@@ -299,36 +326,24 @@ def train_3d(config: GPTConfig, cfg: TrainConfig, train_ids: torch.Tensor, val_i
         stage.train()
         return sum(losses) / len(losses)
 
-    rank = dist.get_rank()
-    history: list[dict] = []
-    losses: list[float] = []
-    start = time.perf_counter()
-    desc = f"train tp={tp} pp={pp} dp={dp}"
-    bar = tqdm(range(first, cfg.steps), disable=not (cfg.progress and rank == 0), desc=desc)
-    for step in bar:
+    def step(k: int) -> tuple[float, float]:
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, cfg)
-        xs, ys = micro(train_ids, step, cfg.seed)
+            g["lr"] = lr_at(k, cfg)
+        xs, ys = micro(train_ids, k, cfg.seed)
         res, norm = step_3d(chunks, opt, mesh, pipe, acts, xs, ys, shape, dtype, dpar,
-                            cfg.grad_clip, step)  # fmt: skip
-        loss = _replica_mean(res.loss, mesh)
-        losses.append(loss)
-        checkpoint.save_if_due(cfg, step + 1, chunks, opt, mesh=mesh, zero1=zero, tok=tok)
-        bar.set_postfix(loss=f"{loss:.3f}")
-        if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
-            val = evaluate_3d()
-            history.append(
-                {"step": step + 1, "train_loss": loss, "val_loss": val, "grad_norm": norm.item()}
-            )
-            if rank == 0 and cfg.progress:
-                bar.write(f"step {step + 1:>5}: train loss {loss:.4f}  val loss {val:.4f}")
+                            cfg.grad_clip, k)  # fmt: skip
+        return _replica_mean(res.loss, mesh), norm.item()
+
+    losses, history, seconds = run_loop(
+        cfg, first, f"train tp={tp} pp={pp} dp={dp}", step, evaluate=evaluate_3d,
+        save=lambda k: checkpoint.save_if_due(cfg, k, chunks, opt, mesh=mesh, zero1=zero, tok=tok),
+    )  # fmt: skip
     stages = [[r.start, r.stop] for r in stage_layers(config, pp * len(chunks))]
-    summary = _summary(config, cfg, losses, history, time.perf_counter() - start, stage,
+    summary = _summary(config, cfg, losses, history, seconds, stage,
                        tp=tp, pp=pp, dp=dp, micro_batches=m, zero1=zero, schedule=kind,
                        chunks=len(chunks), stages=stages)  # fmt: skip
     if out is not None:
-        state = gather_pipeline_state(chunks, mesh)
-        save_model(SimpleNamespace(config=config, gather_state_dict=lambda: state), cfg, out, tok)
+        _write_dense(gather_pipeline_state(chunks, mesh), config, cfg, out, tok)
     return summary
 
 

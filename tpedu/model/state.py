@@ -1,25 +1,38 @@
-"""Merge a tensor-parallel weight's shards into the dense weight, and cut it again for another
-tp size (lesson 13). One process, no communication: this is what a checkpoint converter does.
+"""Lesson 13 (used from lesson 07 on): the shard map. For every parameter of a rank's model: its
+dense name (DenseGPT's state-dict key), how it is split over the TP group, and how many ranks
+hold a copy of each element. One walker (`shard_map`) serves the dense state-dict gather
+(`TPGPT.gather_state_dict`), the gradient norm's replica counts (`TPGPT.squared_grad_sum`),
+checkpoint save and load, and resharding; `split_tensor` / `merge_shards` are the one set of
+split and merge rules they all use.
 
-    column-parallel  W [out, in]: rank r holds rows    [r·out/t, (r+1)·out/t)   merge: cat dim 0
-    row-parallel     W [out, in]: rank r holds columns [r·in/t, (r+1)·in/t)     merge: cat dim 1
-    fused QKV        W [(nq + 2·nkv)·d, H] laid out | q heads | k heads | v heads |;
-                     rank r holds [its q | its k | its v] rows (attention.split_qkv).
+    kind        dense tensor          rank r of t keeps                     copies of an element
+    column      [out, in] / [out]     rows [r·out/t, (r+1)·out/t)           1
+    row         [out, in]             columns [r·in/t, (r+1)·in/t)          1
+    qkv         [(nq+2·nkv)·d, ...]   its heads' q, k, v rows (split_qkv)   1; k, v: kv_replicas
+    vocab       [V, H]                rows of the table padded to Vp        1
+    replicated  any                   all of it                             t
+    sequence    any                   all of it, but fed s/t positions      t (gradient summed)
+
+`PLAN` says which dense module is split in which style (torchtitan's parallelize plan, as data);
+every other parameter is replicated. A new way of splitting is a new kind here and a `PLAN`
+entry: the gather, the norm, the checkpoints and the reshard follow.
 
 The classic converter bug is to treat fused QKV as column-parallel: concatenating the shards
 gives | q0 q1 k0 v0 | q2 q3 k1 v1 |, not | q0 q1 q2 q3 | k0 k1 | v0 v1 |. Merging must put each
 head's rows back where they came from; with GQA at tp > n_kv_heads several ranks hold a copy of
-the same KV head (replicas, equal), and any one of them will do.
-
-Always go through the dense tensor: dense -> new shards uses the *same* split the model uses, so
-the resharded model is exactly the model built at the new tp.
+the same KV head (replicas, equal), and any one of them will do. Always go through the dense
+tensor: dense -> new shards uses the *same* split the model uses, so the resharded model is
+exactly the model built at the new tp.
 """
 
 from __future__ import annotations
 
+import fnmatch
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from tpedu.model.config import GPTConfig
 from tpedu.model.dense import DenseGPT
@@ -75,20 +88,95 @@ def reshard(shards: list[torch.Tensor], kind: str, new_tp: int, n_heads: int | N
     return split(dense, kind, new_tp, n_heads, n_kv_heads)
 
 
-KINDS = ("replicated", "column", "row", "qkv", "vocab")
+KINDS = ("replicated", "sequence", "column", "row", "qkv", "vocab")
+
+# dense module -> its split style; a style's parameters -> their kinds (biases of a row-parallel
+# layer are added after the sum: replicated).
+PLAN = {
+    "tok_emb": "vocab",
+    "lm_head": "vocab",
+    "blocks.*.attn.qkv": "qkv",
+    "blocks.*.attn.out": "row",
+    "blocks.*.mlp.fc1": "column",
+    "blocks.*.mlp.up": "column",
+    "blocks.*.mlp.fc2": "row",
+}
+STYLES = {
+    "vocab": {"weight": "vocab"},
+    "qkv": {"weight": "qkv", "bias": "qkv"},
+    "column": {"weight": "column", "bias": "column"},
+    "row": {"weight": "row", "bias": "replicated"},
+}
+# TPGPT's parameter names that differ from DenseGPT's (blocks are renumbered apart)
+LOCAL_TO_DENSE = {
+    "attn.out_proj.": "attn.out.",
+    "attn.qkv_weight": "attn.qkv.weight",
+    "attn.qkv_bias": "attn.qkv.bias",
+}
 
 
 def param_kind(name: str, config: GPTConfig) -> str:
-    """How the dense tensor `name` (a DenseGPT state-dict key) is sharded over tensor parallel."""
-    if name in ("tok_emb.weight", "lm_head.weight"):
-        return "vocab" if config.vocab_parallel else "replicated"
-    if ".attn.qkv." in name:
-        return "qkv"
-    if name.endswith(("attn.out.weight", "mlp.fc2.weight")):
-        return "row"
-    if ".mlp.fc1." in name or ".mlp.up." in name:
-        return "column"
-    return "replicated"  # norms, learned positions, row-parallel biases
+    """How the dense tensor `name` (a DenseGPT state-dict key) is split over TP, from `PLAN`.
+    Stored kinds only: "sequence" is a layout choice (the shard map marks it on a live model)."""
+    module, _, param = name.rpartition(".")
+    for pattern, style in PLAN.items():
+        if fnmatch.fnmatchcase(module, pattern):
+            if style == "vocab" and not config.vocab_parallel:
+                return "replicated"  # the seeds' start: every rank keeps the whole table
+            return STYLES[style].get(param, "replicated")
+    return "replicated"  # norms, learned positions
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One parameter of a rank's model in the shard map."""
+
+    name: str  # the dense name (DenseGPT's key, blocks by global index)
+    local: str  # the name in this rank's module
+    param: nn.Parameter
+    kind: str  # one of KINDS
+    copies: float | torch.Tensor  # ranks holding each element (a per-row tensor for qkv)
+    tied_copy: bool = False  # the last stage's copy of a tied embedding (not saved)
+
+    @property
+    def stored_kind(self) -> str:
+        """The kind on disk: sequence-fed parameters are stored as the replicated tensors they are."""
+        return "replicated" if self.kind == "sequence" else self.kind
+
+
+def dense_name(local: str, layer_ids: Sequence[int], tied: bool) -> tuple[str, bool]:
+    """(DenseGPT's name, is_tied_copy) of the TPGPT parameter `local`."""
+    if local.startswith("blocks."):
+        _, j, rest = local.split(".", 2)
+        local = f"blocks.{layer_ids[int(j)]}.{rest}"
+    for mine, dense in LOCAL_TO_DENSE.items():
+        local = local.replace(mine, dense)
+    if local == "lm_head.weight" and tied:
+        return "tok_emb.weight", True
+    return local, False
+
+
+def shard_map(model: nn.Module | Sequence[nn.Module]) -> list[Shard]:
+    """Every parameter of a TPGPT stage (or a rank's list of pipeline chunks), in module order.
+    No communication. (tests/test_state.py checks, for every parameter of GPT-2- and
+    Llama-style models, that its shape is what `split_tensor` gives its kind.)"""
+    chunks = [model] if isinstance(model, nn.Module) else list(model)
+    out: list[Shard] = []
+    for m in chunks:
+        config, tp = m.config, m.tp
+        modules = dict(m.named_modules())
+        for local, p in m.named_parameters():
+            name, tied = dense_name(local, m.layer_ids, config.tie_embeddings)
+            kind = param_kind(name, config)
+            if kind == "replicated" and getattr(p, "sequence_parallel", False):
+                kind = "sequence"
+            copies: float | torch.Tensor = float(tp) if kind in ("replicated", "sequence") else 1.0
+            if kind == "qkv":
+                attn = modules[local.rpartition(".")[0]]
+                rows = attn.qkv_copies().to(p.device)
+                copies = rows[:, None] if p.dim() == 2 else rows
+            out.append(Shard(name, local, p, kind, copies, tied))
+    return out
 
 
 def split_tensor(dense: torch.Tensor, kind: str, tp: int, rank: int,
