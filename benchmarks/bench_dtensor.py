@@ -168,31 +168,51 @@ def main() -> None:
     ap.add_argument("--explicit", action="store_true", help="explicit attention in both models")
     ap.add_argument("--overlap", action="store_true", help="tpedu with overlap_comm=True")
     args = ap.parse_args()
-    c = dataclasses.replace(CONFIG, fused_attention=not args.explicit, overlap_comm=args.overlap,
-                            sequence_parallel=args.sp)  # fmt: skip
-    print(f"model: {c.n_layers} layers, d {c.hidden}, {c.n_heads} heads, vocab {c.vocab_size}, "
-          f"seq {c.seq_len}, batch {BATCH}, fp32, AdamW; torch {torch.__version__}, gloo")  # fmt: skip
-    print(f"DTensor plan: Colwise/Rowwise, vocab-parallel embedding + head, loss_parallel"
-          f"{', SequenceParallel norms (tpedu: sequence_parallel)' if args.sp else ''}; "
-          f"attention: {'explicit' if args.explicit else 'fused (SDPA)'} in both"
-          f"{'; tpedu overlap_comm' if args.overlap else ''}")  # fmt: skip
+    c = dataclasses.replace(
+        CONFIG,
+        fused_attention=not args.explicit,
+        overlap_comm=args.overlap,
+        sequence_parallel=args.sp,
+    )
+    print(
+        f"model: {c.n_layers} layers, d {c.hidden}, {c.n_heads} heads, vocab {c.vocab_size}, "
+        f"seq {c.seq_len}, batch {BATCH}, fp32, AdamW; torch {torch.__version__}, gloo"
+    )
+    print(
+        f"DTensor plan: Colwise/Rowwise, vocab-parallel embedding + head, loss_parallel"
+        f"{', SequenceParallel norms (tpedu: sequence_parallel)' if args.sp else ''}; "
+        f"attention: {'explicit' if args.explicit else 'fused (SDPA)'} in both"
+        f"{'; tpedu overlap_comm' if args.overlap else ''}"
+    )
     print(load())
-    print(f"{'tp':>3} {'tpedu ms':>9} {'DTensor ms':>10} {'ratio':>6} {'comm ms':>8} "
-          f"{'no-comm ms':>10} {'floor':>6} {'loss tpedu':>10} {'loss DTensor':>12}")  # fmt: skip
+    print(
+        f"{'tp':>3} {'tpedu ms':>9} {'DTensor ms':>10} {'ratio':>6} {'comm ms':>8} "
+        f"{'no-comm ms':>10} {'floor':>6} {'loss tpedu':>10} {'loss DTensor':>12}"
+    )
     kernels = []
     for tp in args.tp:
         r = tpedu.launch(worker, tp, args.reps, args.sp, c, timeout=1800, backend=BACKEND)[0]
         loss_t, loss_d = r["first_loss"]["tpedu"], r["first_loss"]["dtensor"]
         if abs(loss_t - loss_d) > 1e-5 * abs(loss_d):  # fp32, same sums reordered: ~1e-7
-            raise SystemExit(f"tp {tp}: tpedu's loss {loss_t} != DTensor's {loss_d}; "
-                             "the two models do not compute the same thing")  # fmt: skip
+            raise SystemExit(
+                f"tp {tp}: tpedu's loss {loss_t} != DTensor's {loss_d}; "
+                "the two models do not compute the same thing"
+            )
         t, d, f = (r["times"][k] for k in ("tpedu", "dtensor", "floor"))
-        print(f"{tp:>3} {1e3 * t:>9.1f} {1e3 * d:>10.1f} {t / d:>6.2f} {1e3 * r['comm']:>8.1f} "
-              f"{1e3 * f:>10.1f} {f / d:>6.2f} "
-              f"{loss_t:>10.6f} {loss_d:>12.6f}")  # fmt: skip
-        kernels.append(f"tp {tp}: " + ", ".join(
-            f"{label} {1e3 * sys_s:.0f} ms ({faults * resource.getpagesize() / 2**20:.0f} MB faulted in)"
-            for label, (sys_s, faults) in zip(("tpedu", "DTensor"), r["kernel"].values(), strict=True)))  # fmt: skip
+        print(
+            f"{tp:>3} {1e3 * t:>9.1f} {1e3 * d:>10.1f} {t / d:>6.2f} {1e3 * r['comm']:>8.1f} "
+            f"{1e3 * f:>10.1f} {f / d:>6.2f} "
+            f"{loss_t:>10.6f} {loss_d:>12.6f}"
+        )
+        kernels.append(
+            f"tp {tp}: "
+            + ", ".join(
+                f"{label} {1e3 * sys_s:.0f} ms ({faults * resource.getpagesize() / 2**20:.0f} MB faulted in)"
+                for label, (sys_s, faults) in zip(
+                    ("tpedu", "DTensor"), r["kernel"].values(), strict=True
+                )
+            )
+        )
     print(
         "ratio = tpedu / DTensor; comm = tpedu's time inside collectives (waits included); "
         "floor = no-comm / DTensor"

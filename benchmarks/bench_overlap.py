@@ -40,8 +40,14 @@ from tpedu.tp.sharding import shard
 
 def worker(reps: int, tokens: int, hidden: int, layers: int) -> dict:
     torch.manual_seed(0)
-    ws = [(shard(torch.randn(4 * hidden, hidden) * 0.02, 0), shard(torch.randn(4 * hidden) * 0, 0),
-           shard(torch.randn(hidden, 4 * hidden) * 0.02, 1)) for _ in range(layers)]  # fmt: skip
+    ws = [
+        (
+            shard(torch.randn(4 * hidden, hidden) * 0.02, 0),
+            shard(torch.randn(4 * hidden) * 0, 0),
+            shard(torch.randn(hidden, 4 * hidden) * 0.02, 1),
+        )
+        for _ in range(layers)
+    ]
     for w in ws:
         for p in w:
             p.requires_grad_()
@@ -54,8 +60,13 @@ def worker(reps: int, tokens: int, hidden: int, layers: int) -> dict:
             h = h + row_parallel_linear(F.gelu(col(h, w1, b1, None)), w2, None)
         h.sum().backward()
 
-    t = interleaved({"plain": lambda: run(column_parallel_linear),
-                     "async": lambda: run(linear_with_async_grad_allreduce)}, reps)  # fmt: skip
+    t = interleaved(
+        {
+            "plain": lambda: run(column_parallel_linear),
+            "async": lambda: run(linear_with_async_grad_allreduce),
+        },
+        reps,
+    )
     return {"tp": dist.get_world_size(), **t}
 
 
@@ -104,9 +115,14 @@ def dp_worker(reps: int, config: GPTConfig, buckets: list[int]) -> dict:
         grads = [p.grad.clone() for p in models[i].parameters()]
         ref = rows["after"]["grads"] if rows else grads
         diff = max((g - r).abs().max().item() for g, r in zip(grads, ref, strict=True))
-        rows[name] = {"ms": 1e3 * t[name], "comm": 1e3 * statistics.median(comm[name][-reps:]),
-                      "calls": trace.count("all_reduce"), "mb": trace.bytes() / 1e6,
-                      "diff": diff, "grads": grads}  # fmt: skip
+        rows[name] = {
+            "ms": 1e3 * t[name],
+            "comm": 1e3 * statistics.median(comm[name][-reps:]),
+            "calls": trace.count("all_reduce"),
+            "mb": trace.bytes() / 1e6,
+            "diff": diff,
+            "grads": grads,
+        }
     for r in rows.values():
         del r["grads"]
     return rows
@@ -116,11 +132,15 @@ def dp_main(a: argparse.Namespace) -> None:
     c = TINY if a.tiny else CONFIG
     if any(BATCH % dp for dp in a.dp):
         raise SystemExit(f"--dp must divide the global batch {BATCH} (strong scaling)")
-    print(f"DenseGPT {c.n_layers} layers, d {c.hidden}, vocab {c.vocab_size}, seq {c.seq_len}, "
-          f"global batch {BATCH} split over dp; fp32; forward + backward + gradient average")  # fmt: skip
+    print(
+        f"DenseGPT {c.n_layers} layers, d {c.hidden}, vocab {c.vocab_size}, seq {c.seq_len}, "
+        f"global batch {BATCH} split over dp; fp32; forward + backward + gradient average"
+    )
     print(load())
-    print(f"{'dp':>3} {'variant':<16} {'ms':>8} {'comm ms':>8} {'calls':>5} {'MB':>6} "
-          f"{'saved':>7} {'overlap':>7} {'max |Δgrad|':>11}")  # fmt: skip
+    print(
+        f"{'dp':>3} {'variant':<16} {'ms':>8} {'comm ms':>8} {'calls':>5} {'MB':>6} "
+        f"{'saved':>7} {'overlap':>7} {'max |Δgrad|':>11}"
+    )
     for dp in a.dp:
         ranks = tpedu.launch(dp_worker, dp, a.reps, c, a.buckets, timeout=1800, backend=BACKEND)
         rows = ranks[0]
@@ -130,9 +150,11 @@ def dp_main(a: argparse.Namespace) -> None:
             diff = max(rk[name]["diff"] for rk in ranks)
             pair = rows.get(name.replace("overlap", "bucketed"), r)  # the same buckets, after
             gain = f"{100 * (1 - r['ms'] / pair['ms']):>6.1f}%" if pair is not r else f"{'':>7}"
-            print(f"{dp:>3} {name:<16} {r['ms']:>8.1f} {comm:>8.1f} {r['calls']:>5} "
-                  f"{r['mb']:>6.1f} {100 * (1 - r['ms'] / base):>6.1f}% {gain} "
-                  f"{diff:>11.1e}")  # fmt: skip
+            print(
+                f"{dp:>3} {name:<16} {r['ms']:>8.1f} {comm:>8.1f} {r['calls']:>5} "
+                f"{r['mb']:>6.1f} {100 * (1 - r['ms'] / base):>6.1f}% {gain} "
+                f"{diff:>11.1e}"
+            )
     print(
         "ms: median of forward + backward + gradient average (slowest rank); comm ms: time "
         "inside all-reduce calls and waits (the exposed part; slowest rank); saved: vs after; "
@@ -146,8 +168,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tp", type=int, nargs="+", default=[2])
     ap.add_argument("--dp", type=int, nargs="+", help="DP mode at these dp (instead of TP)")
-    ap.add_argument("--buckets", type=int, nargs="+", default=[2**16],
-                    help="DP mode: bucket_numel values to sweep")  # fmt: skip
+    ap.add_argument(
+        "--buckets",
+        type=int,
+        nargs="+",
+        default=[2**16],
+        help="DP mode: bucket_numel values to sweep",
+    )
     ap.add_argument("--tiny", action="store_true", help="a tiny model: checks the code path")
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--tokens", type=int, default=2048)
@@ -165,8 +192,10 @@ def main() -> None:
         r = tpedu.launch(
             worker, tp, a.reps, a.tokens, a.hidden, a.layers, timeout=1800, backend=BACKEND
         )[0]
-        print(f"{tp:>3} {1e3 * r['plain']:>9.1f} {1e3 * r['async']:>9.1f} "
-              f"{100 * (1 - r['async'] / r['plain']):>6.1f}%")  # fmt: skip
+        print(
+            f"{tp:>3} {1e3 * r['plain']:>9.1f} {1e3 * r['async']:>9.1f} "
+            f"{100 * (1 - r['async'] / r['plain']):>6.1f}%"
+        )
     print(load())
 
 

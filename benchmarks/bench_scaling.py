@@ -61,8 +61,9 @@ def parse_layout(text: str) -> Layout:
     return Layout(*(int(p) for p in parts))
 
 
-def check_layout(config: GPTConfig, layout: Layout, micro: int | None, kind: str = "1f1b",
-                 n_chunks: int = 1) -> None:  # fmt: skip
+def check_layout(
+    config: GPTConfig, layout: Layout, micro: int | None, kind: str = "1f1b", n_chunks: int = 1
+) -> None:
     """Raise a ValueError (before anything runs) if the benchmark cannot run at `layout`."""
     config.check(layout.tp)
     partition(config.n_layers, layout.pp * n_chunks)
@@ -97,9 +98,17 @@ def predict(fits: dict[int, AlphaBeta], op: str, nbytes: int, size: int) -> floa
     return ab.predict(op, nbytes, size)
 
 
-def worker(config: GPTConfig, tp: int, pp: int, dp: int, reps: int, micro: int | None = None,
-           kind: str = "1f1b", fit_sizes: tuple[int, ...] = FIT_SIZES,
-           n_chunks: int = 1) -> dict:  # fmt: skip
+def worker(
+    config: GPTConfig,
+    tp: int,
+    pp: int,
+    dp: int,
+    reps: int,
+    micro: int | None = None,
+    kind: str = "1f1b",
+    fit_sizes: tuple[int, ...] = FIT_SIZES,
+    n_chunks: int = 1,
+) -> dict:
     """One rank of a tp·pp·dp layout: fits, first loss, a traced step, `reps` timed steps."""
     mesh = Mesh(Layout(tp, pp, dp))
     dev = tpedu.device()
@@ -107,8 +116,10 @@ def worker(config: GPTConfig, tp: int, pp: int, dp: int, reps: int, micro: int |
     m = micro or default_micro_batches(b, pp)
     fits = fit_group_sizes(mesh, fit_sizes)
     torch.manual_seed(0)
-    chunks = [c.to(dev) for c in build_stage_chunks(DenseGPT(config), mesh.tp_group,
-                                                     mesh.pp_rank, pp, n_chunks)]  # fmt: skip
+    chunks = [
+        c.to(dev)
+        for c in build_stage_chunks(DenseGPT(config), mesh.tp_group, mesh.pp_rank, pp, n_chunks)
+    ]
     stage = torch.nn.ModuleList(chunks)  # all of this rank's parameters
     dpar = DataParallel(stage, mesh.dp_group) if dp > 1 else None
     cfg = TrainConfig()
@@ -144,29 +155,68 @@ def worker(config: GPTConfig, tp: int, pp: int, dp: int, reps: int, micro: int |
         calls_bytes = summary.setdefault((r.group, r.op), [0, 0])
         calls_bytes[0] += 1
         calls_bytes[1] += r.bytes
-    return {"coords": (mesh.tp_rank, mesh.pp_rank, mesh.dp_rank), "micro": m,
-            "loss": None if first is None else float(first), "steps": steps, "comms": comms,
-            "p2ps": p2ps, "events": events, "fits": fits, "traced": summary,
-            "calls": len(real), "bytes": sum(r.bytes for r in real),
-            "predicted": sum(predict(fits, r.op, r.bytes, r.group_size) for r in trace.records),
-            "stage_params": sum(p.numel() for p in stage.parameters())}  # fmt: skip
+    return {
+        "coords": (mesh.tp_rank, mesh.pp_rank, mesh.dp_rank),
+        "micro": m,
+        "loss": None if first is None else float(first),
+        "steps": steps,
+        "comms": comms,
+        "p2ps": p2ps,
+        "events": events,
+        "fits": fits,
+        "traced": summary,
+        "calls": len(real),
+        "bytes": sum(r.bytes for r in real),
+        "predicted": sum(predict(fits, r.op, r.bytes, r.group_size) for r in trace.records),
+        "stage_params": sum(p.numel() for p in stage.parameters()),
+    }
 
 
-def run_layout(config: GPTConfig, layout: Layout, reps: int, micro: int | None = None,
-               kind: str = "1f1b", fit_sizes: tuple[int, ...] = FIT_SIZES,
-               n_chunks: int = 1) -> dict:  # fmt: skip
+def run_layout(
+    config: GPTConfig,
+    layout: Layout,
+    reps: int,
+    micro: int | None = None,
+    kind: str = "1f1b",
+    fit_sizes: tuple[int, ...] = FIT_SIZES,
+    n_chunks: int = 1,
+) -> dict:
     """Launch the layout and reduce the ranks' results to one table row (plus the raw ranks)."""
-    ranks = tpedu.launch(worker, layout.world, config, layout.tp, layout.pp, layout.dp, reps,
-                         micro, kind, fit_sizes, n_chunks, timeout=1800, backend=BACKEND)  # fmt: skip
+    ranks = tpedu.launch(
+        worker,
+        layout.world,
+        config,
+        layout.tp,
+        layout.pp,
+        layout.dp,
+        reps,
+        micro,
+        kind,
+        fit_sizes,
+        n_chunks,
+        timeout=1800,
+        backend=BACKEND,
+    )
     per_rep = lambda key: [max(r[key][i] for r in ranks) for i in range(reps)]
     step, comm, p2p = (statistics.median(per_rep(k)) for k in ("steps", "comms", "p2ps"))
     heavy = max(range(layout.world), key=lambda i: (ranks[i]["bytes"], -i))
     losses = [r["loss"] for r in ranks if r["loss"] is not None and r["coords"][0] == 0]
-    row = {"layout": layout, "ranks": layout.world, "micro": ranks[0]["micro"], "step": step,
-           "comm": comm, "p2p": p2p, "compute": step - comm, "rank": heavy,
-           "predicted": ranks[heavy]["predicted"], "calls": ranks[heavy]["calls"],
-           "mbytes": ranks[heavy]["bytes"] / 1e6, "loss": sum(losses) / len(losses),
-           "fits": ranks[0]["fits"], "ranks_raw": ranks}  # fmt: skip
+    row = {
+        "layout": layout,
+        "ranks": layout.world,
+        "micro": ranks[0]["micro"],
+        "step": step,
+        "comm": comm,
+        "p2p": p2p,
+        "compute": step - comm,
+        "rank": heavy,
+        "predicted": ranks[heavy]["predicted"],
+        "calls": ranks[heavy]["calls"],
+        "mbytes": ranks[heavy]["bytes"] / 1e6,
+        "loss": sum(losses) / len(losses),
+        "fits": ranks[0]["fits"],
+        "ranks_raw": ranks,
+    }
     if layout.pp > 1:
         m = row["micro"]
         row["bubble_formula"] = bubble_formula(m, layout.pp, n_chunks)
@@ -196,24 +246,36 @@ def main() -> None:
     ap.add_argument("--micro-batches", type=int, help="default: train.default_micro_batches")
     ap.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe", "interleaved"])
     ap.add_argument("--chunks", type=int, default=1, help="model chunks per rank (interleaved)")
-    ap.add_argument("--stage-split", nargs="+", default=["even"], choices=["even", "flops"],
-                    help="blocks per stage: even, and/or by FLOPs with the head counted (each "
-                         "pp > 1 layout runs once per split)")  # fmt: skip
+    ap.add_argument(
+        "--stage-split",
+        nargs="+",
+        default=["even"],
+        choices=["even", "flops"],
+        help="blocks per stage: even, and/or by FLOPs with the head counted (each "
+        "pp > 1 layout runs once per split)",
+    )
     ap.add_argument("--tiny", action="store_true", help="harness.TINY: checks the code path")
     a = ap.parse_args()
-    layouts = [Layout(t, 1, 1) for t in a.tp] if a.tp else [
-        parse_layout(s) for s in (a.layouts or DEFAULT_LAYOUTS)]  # fmt: skip
+    layouts = (
+        [Layout(t, 1, 1) for t in a.tp]
+        if a.tp
+        else [parse_layout(s) for s in (a.layouts or DEFAULT_LAYOUTS)]
+    )
     c = TINY if a.tiny else CONFIG
     for lay in layouts:
         check_layout(c, lay, a.micro_batches, a.schedule, a.chunks)
-    print(f"GPT {c.n_layers} layers, d {c.hidden}, vocab {c.vocab_size}, seq {c.seq_len}; "
-          f"global batch {BATCH} at every layout (strong scaling), {a.schedule}"
-          f"{f' ({a.chunks} chunks per rank)' if a.chunks > 1 else ''}, fp32, AdamW + "
-          f"clipping; 1 thread per rank")  # fmt: skip
+    print(
+        f"GPT {c.n_layers} layers, d {c.hidden}, vocab {c.vocab_size}, seq {c.seq_len}; "
+        f"global batch {BATCH} at every layout (strong scaling), {a.schedule}"
+        f"{f' ({a.chunks} chunks per rank)' if a.chunks > 1 else ''}, fp32, AdamW + "
+        f"clipping; 1 thread per rank"
+    )
     print(load())
-    print(f"{'layout':>6} {'split':>5} {'ranks':>5} {'m':>2} {'step ms':>8} {'compute':>8} "
-          f"{'comm ms':>8} {'p2p ms':>7} {'α-β ms':>7} {'rank':>4} {'calls':>5} {'MB':>6} "
-          f"{'bubble':>6} {'meas.':>6} {'speed-up':>8} {'loss':>9}")  # fmt: skip
+    print(
+        f"{'layout':>6} {'split':>5} {'ranks':>5} {'m':>2} {'step ms':>8} {'compute':>8} "
+        f"{'comm ms':>8} {'p2p ms':>7} {'α-β ms':>7} {'rank':>4} {'calls':>5} {'MB':>6} "
+        f"{'bubble':>6} {'meas.':>6} {'speed-up':>8} {'loss':>9}"
+    )
     rows, base = [], None
     runs = [
         (lay, split) for lay in layouts for split in a.stage_split[: 1 if lay.pp == 1 else None]
@@ -225,13 +287,18 @@ def main() -> None:
         rows.append(r)
         base = r["step"] if lay.world == 1 else base
         speed = f"{base / r['step']:>8.2f}" if base else f"{'-':>8}"
-        bub = (f"{r['bubble_formula']:>6.2f} {r['bubble']:>6.2f}" if lay.pp > 1
-               else f"{'-':>6} {'-':>6}")  # fmt: skip
-        print(f"{lay.tp}x{lay.pp}x{lay.dp:<2} {split if lay.pp > 1 else '-':>5} "
-              f"{r['ranks']:>5} {r['micro']:>2} "
-              f"{1e3 * r['step']:>8.1f} {1e3 * r['compute']:>8.1f} {1e3 * r['comm']:>8.1f} "
-              f"{1e3 * r['p2p']:>7.1f} {1e3 * r['predicted']:>7.1f} {r['rank']:>4} "
-              f"{r['calls']:>5} {r['mbytes']:>6.1f} {bub} {speed} {r['loss']:>9.6f}")  # fmt: skip
+        bub = (
+            f"{r['bubble_formula']:>6.2f} {r['bubble']:>6.2f}"
+            if lay.pp > 1
+            else f"{'-':>6} {'-':>6}"
+        )
+        print(
+            f"{lay.tp}x{lay.pp}x{lay.dp:<2} {split if lay.pp > 1 else '-':>5} "
+            f"{r['ranks']:>5} {r['micro']:>2} "
+            f"{1e3 * r['step']:>8.1f} {1e3 * r['compute']:>8.1f} {1e3 * r['comm']:>8.1f} "
+            f"{1e3 * r['p2p']:>7.1f} {1e3 * r['predicted']:>7.1f} {r['rank']:>4} "
+            f"{r['calls']:>5} {r['mbytes']:>6.1f} {bub} {speed} {r['loss']:>9.6f}"
+        )
     print(
         "step, compute, comm, p2p: medians of the slowest rank; compute = step - comm; p2p is "
         "part of comm. α-β ms, calls, MB: the traced step of `rank` (the rank with the most "
@@ -242,11 +309,18 @@ def main() -> None:
     )
     for r in rows:
         lay = r["layout"]
-        fits = ", ".join(f"group of {g}: α {1e6 * ab.alpha:.0f} us, β⁻¹ {ab.bandwidth / 1e9:.2f} "
-                         f"GB/s" for g, ab in r["fits"].items())  # fmt: skip
+        fits = ", ".join(
+            f"group of {g}: α {1e6 * ab.alpha:.0f} us, β⁻¹ {ab.bandwidth / 1e9:.2f} GB/s"
+            for g, ab in r["fits"].items()
+        )
         blocks = [len(b) for b in stage_layers(r["config"], lay.pp * a.chunks)]
-        busy = ("; stage F+B ms: " + " ".join(f"{1e3 * s:.0f}" for s in r["stage_busy"])
-                + f" (blocks per stage: {blocks})" if lay.pp > 1 else "")  # fmt: skip
+        busy = (
+            "; stage F+B ms: "
+            + " ".join(f"{1e3 * s:.0f}" for s in r["stage_busy"])
+            + f" (blocks per stage: {blocks})"
+            if lay.pp > 1
+            else ""
+        )
         split = f" {r['config'].stage_split}" if lay.pp > 1 else ""
         print(f"{lay.tp}x{lay.pp}x{lay.dp}{split}: {fits or 'no communication fit (1 rank)'}{busy}")
     print(load())

@@ -92,28 +92,41 @@ def parallelize(model: GPT, mesh: DeviceMesh, sequence_parallel: bool = False) -
     """Shard `model` in place over the 1-D `mesh` (the TP group)."""
     sp = sequence_parallel
     seq = Shard(1) if sp else Replicate()  # layout of the residual stream between blocks
-    parallelize_module(model, mesh, {
-        "tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
-        "lm_head": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1),
-                                   use_local_output=False),  # DTensor logits: loss_parallel
-        **({"norm_f": SequenceParallel()} if sp else {}),
-    })  # fmt: skip
+    parallelize_module(
+        model,
+        mesh,
+        {
+            "tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+            "lm_head": ColwiseParallel(
+                input_layouts=seq, output_layouts=Shard(-1), use_local_output=False
+            ),  # DTensor logits: loss_parallel
+            **({"norm_f": SequenceParallel()} if sp else {}),
+        },
+    )
     if sp:  # learned positions of this rank's rows; their gradient needs an all-reduce
         n = model.pos_emb.num_embeddings // mesh.size()
         model.positions = (mesh.get_local_rank() * n, n)
     for blk in model.blocks:
         plan = {
-            "attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(),
-            "attn.wv": ColwiseParallel(), "attn.wo": RowwiseParallel(output_layouts=seq),
-            "mlp.fc1": ColwiseParallel(), "mlp.fc2": RowwiseParallel(output_layouts=seq),
-        }  # fmt: skip
+            "attn.wq": ColwiseParallel(),
+            "attn.wk": ColwiseParallel(),
+            "attn.wv": ColwiseParallel(),
+            "attn.wo": RowwiseParallel(output_layouts=seq),
+            "mlp.fc1": ColwiseParallel(),
+            "mlp.fc2": RowwiseParallel(output_layouts=seq),
+        }
         if sp:
-            plan.update({
-                "norm1": SequenceParallel(), "norm2": SequenceParallel(),
-                "attn": PrepareModuleInput(input_layouts=(Shard(1),),
-                                           desired_input_layouts=(Replicate(),)),
-                "mlp": PrepareModuleInput(input_layouts=(Shard(1),),
-                                          desired_input_layouts=(Replicate(),)),
-            })  # fmt: skip
+            plan.update(
+                {
+                    "norm1": SequenceParallel(),
+                    "norm2": SequenceParallel(),
+                    "attn": PrepareModuleInput(
+                        input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+                    ),
+                    "mlp": PrepareModuleInput(
+                        input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+                    ),
+                }
+            )
         parallelize_module(blk, mesh, plan)
     return model

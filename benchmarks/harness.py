@@ -37,8 +37,10 @@ def batch(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     shape = (b, config.seq_len)
-    return (torch.randint(0, config.vocab_size, shape, generator=g),
-            torch.randint(0, config.vocab_size, shape, generator=g))  # fmt: skip
+    return (
+        torch.randint(0, config.vocab_size, shape, generator=g),
+        torch.randint(0, config.vocab_size, shape, generator=g),
+    )
 
 
 def slowest(seconds: float, group: dist.ProcessGroup | None = None) -> float:
@@ -95,10 +97,17 @@ def timed_communication() -> Iterator[dict[str, float]]:
     finished behind compute costs only its launch and a short wait: the exposed part). A
     pipeline stage's wait for its neighbour's activation (the bubble included) counts as p2p.
     """
-    kinds = {"all_reduce": "collective", "all_gather_single": "collective",
-             "reduce_scatter_single": "collective", "broadcast": "collective",
-             "all_to_all_single": "collective", "send": "p2p", "recv": "p2p",
-             "isend": "p2p", "irecv": "p2p"}  # fmt: skip
+    kinds = {
+        "all_reduce": "collective",
+        "all_gather_single": "collective",
+        "reduce_scatter_single": "collective",
+        "broadcast": "collective",
+        "all_to_all_single": "collective",
+        "send": "p2p",
+        "recv": "p2p",
+        "isend": "p2p",
+        "irecv": "p2p",
+    }
     originals = {n: getattr(dist, n) for n in kinds}
     acc = {"collective": 0.0, "p2p": 0.0}
 

@@ -26,8 +26,9 @@ def assign_buckets(numels: Sequence[int], bucket_numel: int) -> list[list[int]]:
     )
 
 
-def allreduce_bucket(grads: Sequence[torch.Tensor],
-                     group: dist.ProcessGroup | None = None) -> list[torch.Tensor]:  # fmt: skip
+def allreduce_bucket(
+    grads: Sequence[torch.Tensor], group: dist.ProcessGroup | None = None
+) -> list[torch.Tensor]:
     """Average tensors of any shapes over `group` with exactly ONE all-reduce.
 
     Flatten them into one buffer (torch.cat of .reshape(-1)), call

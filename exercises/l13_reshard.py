@@ -45,8 +45,13 @@ def merge_qkv(shards: list[torch.Tensor], n_heads: int, n_kv_heads: int) -> torc
     )
 
 
-def reshard(shards: list[torch.Tensor], kind: str, new_tp: int, n_heads: int | None = None,
-            n_kv_heads: int | None = None) -> list[torch.Tensor]:  # fmt: skip
+def reshard(
+    shards: list[torch.Tensor],
+    kind: str,
+    new_tp: int,
+    n_heads: int | None = None,
+    n_kv_heads: int | None = None,
+) -> list[torch.Tensor]:
     """Shards at tp = len(shards) -> the list of `new_tp` shards of the same dense weight.
 
     kind: "column", "row" or "qkv" (n_heads, n_kv_heads given). The new shards must be exactly

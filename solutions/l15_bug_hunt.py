@@ -19,5 +19,11 @@ def tp_groups(world: int, tp: int, pp: int = 1) -> list[list[int]]:
     return sorted(Layout(tp=tp, pp=pp, dp=world // (tp * pp)).tp_groups())
 
 
-__all__ = ["copy_to_tp_region", "kv_heads_of_rank", "mask_padding", "one_f_one_b",
-           "tp_groups", "vocab_parallel_argmax"]  # fmt: skip
+__all__ = [
+    "copy_to_tp_region",
+    "kv_heads_of_rank",
+    "mask_padding",
+    "one_f_one_b",
+    "tp_groups",
+    "vocab_parallel_argmax",
+]

@@ -40,8 +40,9 @@ def test_measured_equals_formula_plus_known_extras(t):
             where = f"{m.case.label()} rank {rank}"
             expected = m.expected()
             assert m.by_category == pytest.approx(expected, abs=0), where  # exact, per category
-            extras = known_extras(m.case, m.itemsize("dropout masks", 2),
-                                  m.itemsize("norm statistics", 4))  # fmt: skip
+            extras = known_extras(
+                m.case, m.itemsize("dropout masks", 2), m.itemsize("norm statistics", 4)
+            )
             assert m.total == formula_bytes(m.case) + sum(extras.values()), where
             # bf16 activations, as in the paper; masks stored in the activation dtype
             floats = {r.dtype for r in m.records if r.category != "causal mask"}

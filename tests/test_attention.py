@@ -18,8 +18,16 @@ TOL = 1e-12
 
 def _dense(nq, nkv, hidden=10, head_dim=3, p=0.3, seed=0, bias=True):
     torch.manual_seed(seed)
-    return DenseAttention(hidden, nq, nkv, head_dim=head_dim, bias=bias, dropout_p=p,
-                          dropout_seed=1234, dtype=torch.float64)  # fmt: skip
+    return DenseAttention(
+        hidden,
+        nq,
+        nkv,
+        head_dim=head_dim,
+        bias=bias,
+        dropout_p=p,
+        dropout_seed=1234,
+        dtype=torch.float64,
+    )
 
 
 def _max(a, b):
@@ -124,8 +132,9 @@ def _fused_worker(nq, nkv, causal):
     return diffs, saved, 2 * nq * 7 * 7, 2 * (nq // tp) * 7 * 7  # b·a·s², a rank's b·(a/t)·s²
 
 
-@pytest.mark.parametrize("nq,nkv,tp,causal", [(6, 6, 1, True), (6, 6, 2, True),
-                                               (8, 2, 4, True), (6, 3, 3, False)])  # fmt: skip
+@pytest.mark.parametrize(
+    "nq,nkv,tp,causal", [(6, 6, 1, True), (6, 6, 2, True), (8, 2, 4, True), (6, 3, 3, False)]
+)
 def test_fused_attention_equals_explicit_and_stores_no_scores(nq, nkv, tp, causal):
     """Without dropout both models run F.scaled_dot_product_attention: TP == dense, fused ==
     explicit (flash attention's online softmax sums in another order: ~1e-16 relative), and

@@ -34,8 +34,7 @@ V = 41  # prime: the vocab-parallel table is padded at tp = 2 (42 rows) and 4 (4
 # single KV head: replicated on both ranks at tp = 2. Every sharding kind appears.
 CONFIG = GPTConfig.gpt2_like(V, seq_len=8, n_layers=2, hidden=16, n_heads=2, n_kv_heads=1)
 UNTIED = GPTConfig.llama_like(V, seq_len=8, n_layers=2, hidden=16, n_heads=4, n_kv_heads=2)
-CFG = TrainConfig(steps=3, batch=4, lr=1e-2, warmup=1, eval_every=0, grad_clip=0.05,
-                  progress=False)  # fmt: skip
+CFG = TrainConfig(steps=3, batch=4, lr=1e-2, warmup=1, eval_every=0, grad_clip=0.05, progress=False)
 
 
 def data():
@@ -49,8 +48,9 @@ def cfg(**kw):
 
 def max_rel(a: dict, b: dict) -> tuple[float, str]:
     assert set(a) == set(b), sorted(set(a) ^ set(b))
-    worst = max(((a[k] - b[k]).abs().max().item() / max(b[k].abs().max().item(), 1e-30), k)
-                for k in b)  # fmt: skip
+    worst = max(
+        ((a[k] - b[k]).abs().max().item() / max(b[k].abs().max().item(), 1e-30), k) for k in b
+    )
     return worst
 
 
@@ -90,8 +90,14 @@ def test_split_matches_the_model_and_merge_inverts_it():
 
 # (tp, pp, dp, zero1), ≤ 4 ranks each: plain DP (replicas write nothing) and DP with ZeRO-1
 # (every dp rank writes the optimizer state it owns).
-GRID = [(1, 1, 1, False), (2, 1, 1, False), (1, 2, 1, False), (2, 2, 1, False),
-        (1, 1, 2, False), (2, 1, 2, True)]  # fmt: skip
+GRID = [
+    (1, 1, 1, False),
+    (2, 1, 1, False),
+    (1, 2, 1, False),
+    (2, 2, 1, False),
+    (1, 1, 2, False),
+    (2, 1, 2, True),
+]
 
 
 def _train_3d_f64(config, c, tp, pp, dp, zero):
@@ -108,8 +114,9 @@ def _resume_all(config, jobs, tp, pp, dp, zero):
 @pytest.fixture(scope="module")
 def grid(tmp_path_factory):
     root = tmp_path_factory.mktemp("grid")
-    ref = launch(_train_3d_f64, 1, CONFIG, cfg(ckpt_dir=str(root / "ref"), save_every=2),
-                 1, 1, 1, False)[0]  # fmt: skip
+    ref = launch(
+        _train_3d_f64, 1, CONFIG, cfg(ckpt_dir=str(root / "ref"), save_every=2), 1, 1, 1, False
+    )[0]
     for lay in GRID:
         tp, pp, dp, zero = lay
         c = cfg(steps=2, ckpt_dir=str(root / f"src{lay}"))
@@ -123,8 +130,10 @@ def test_grid_save_anywhere_load_anywhere(grid):
     for target in GRID:
         tp, pp, dp, zero = target
         sources = [s for s in GRID if s != target]
-        jobs = [cfg(resume=str(root / f"src{s}"), ckpt_dir=str(root / f"{s}to{target}"))
-                for s in sources]  # fmt: skip
+        jobs = [
+            cfg(resume=str(root / f"src{s}"), ckpt_dir=str(root / f"{s}to{target}"))
+            for s in sources
+        ]
         losses = launch(_resume_all, tp * pp * dp, CONFIG, jobs, tp, pp, dp, zero)[0]
         for s, got in zip(sources, losses, strict=True):
             label = f"{s} -> {target}"
@@ -153,8 +162,12 @@ def test_loaded_tensors_are_bit_identical_after_offline_reshard(grid, tmp_path):
 def test_zero1_spreads_optimizer_state_over_dp_ranks(grid):
     root, _ = grid
     step_dir, index = checkpoint.read_index(root / f"src{GRID[5]}")  # (2, 1, 2) ZeRO-1
-    files = {s["file"] for k, e in index["tensors"].items() if k.startswith("exp_avg/")
-             for s in e["shards"]}  # fmt: skip
+    files = {
+        s["file"]
+        for k, e in index["tensors"].items()
+        if k.startswith("exp_avg/")
+        for s in e["shards"]
+    }
     assert files == {f"tp{t}-pp0-dp{d}.safetensors" for t in (0, 1) for d in (0, 1)}
     params = {s["file"] for k, e in index["tensors"].items() if "/" not in k for s in e["shards"]}
     assert params == {"tp0-pp0-dp0.safetensors", "tp1-pp0-dp0.safetensors"}  # replicas: once
@@ -295,13 +308,22 @@ def _damage(step_dir, how):
         (step_dir / "index.json").write_text(json.dumps(index))
 
 
-@pytest.mark.parametrize("how, message", [
-    ("missing", r"tp1-pp0-dp0.safetensors is missing"),
-    ("truncated", r"tp1-pp0-dp0.safetensors is truncated .*'files.tp1-pp0-dp0.safetensors.bytes'"),
-    ("corrupted", r"tp1-pp0-dp0.safetensors is corrupted.*sha256"),
-    ("index", r"index.json is not valid JSON"),
-    ("shape", r"'tensors.blocks.0.mlp.fc1.weight.shape' is \[32, 16\], the model needs \[64, 16\]"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "how, message",
+    [
+        ("missing", r"tp1-pp0-dp0.safetensors is missing"),
+        (
+            "truncated",
+            r"tp1-pp0-dp0.safetensors is truncated .*'files.tp1-pp0-dp0.safetensors.bytes'",
+        ),
+        ("corrupted", r"tp1-pp0-dp0.safetensors is corrupted.*sha256"),
+        ("index", r"index.json is not valid JSON"),
+        (
+            "shape",
+            r"'tensors.blocks.0.mlp.fc1.weight.shape' is \[32, 16\], the model needs \[64, 16\]",
+        ),
+    ],
+)
 def test_damaged_checkpoints_are_clear_errors_and_load_nothing(good, how, message):
     _damage(good, how)
     results = launch(_bad_load, 2, good, CONFIG)
@@ -371,11 +393,40 @@ def test_cli_train_resume_at_another_layout(tmp_path, capsys):
     the uninterrupted run's (float32 CLI training: reordered sums, ~1e-7 relative per step)."""
     from tpedu.cli.commands import main
 
-    small = ["--layers", "2", "--hidden", "32", "--heads", "4", "--seq", "16", "--batch", "4",
-             "--steps", "4", "--eval-every", "0"]  # fmt: skip
+    small = [
+        "--layers",
+        "2",
+        "--hidden",
+        "32",
+        "--heads",
+        "4",
+        "--seq",
+        "16",
+        "--batch",
+        "4",
+        "--steps",
+        "4",
+        "--eval-every",
+        "0",
+    ]
     ck, j1, j2 = tmp_path / "ck", tmp_path / "a.json", tmp_path / "b.json"
-    assert main(["train", "--tp", "2", *small, "--ckpt-dir", str(ck), "--save-every", "2",
-                 "--json", str(j1)]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "train",
+                "--tp",
+                "2",
+                *small,
+                "--ckpt-dir",
+                str(ck),
+                "--save-every",
+                "2",
+                "--json",
+                str(j1),
+            ]
+        )
+        == 0
+    )
     assert {p.name for p in ck.iterdir()} == {"latest", "step_00000002", "step_00000004"}
     resume = ["--resume", str(ck / "step_00000002"), "--json", str(j2)]
     assert main(["train", "--tp", "1", "--pp", "2", *small, *resume]) == 0

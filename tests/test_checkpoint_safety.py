@@ -36,8 +36,9 @@ def assert_loads(path, want):
 
 
 @pytest.mark.parametrize("crash", ["rename fails", "killed between renames", "killed in rmtree"])
-def test_resaving_the_latest_step_never_leaves_latest_pointing_at_nothing(tmp_path, monkeypatch,
-                                                                          crash):  # fmt: skip
+def test_resaving_the_latest_step_never_leaves_latest_pointing_at_nothing(
+    tmp_path, monkeypatch, crash
+):
     root = tmp_path / "ck"
     first, second = weights(0), weights(1)
     checkpoint.write_sharded(root, CONFIG, first, 5)
@@ -155,15 +156,21 @@ def _drop(state, key):
     return {k: v for k, v in state.items() if k != key}
 
 
-@pytest.mark.parametrize("how, message", [
-    ("hf", r"field 'format' is None, expected 'tpedu-dense-1'.*Hugging Face config"),
-    ("no model", r"config.json has no field 'model'"),
-    ("bad model", r"field 'model' is not a valid GPTConfig .*hidden_size"),
-    ("missing", r"does not hold the tensors .*1 missing: blocks.1.mlp.fc2.weight"),
-    ("extra", r"does not hold the tensors .*1 unexpected: lm_head.weight"),
-    ("shape", r"1 with the wrong shape: pos_emb.weight \[4, 16\] \(config.json gives \[8, 16\]\)"),
-    ("json", r"config.json is not valid JSON"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "how, message",
+    [
+        ("hf", r"field 'format' is None, expected 'tpedu-dense-1'.*Hugging Face config"),
+        ("no model", r"config.json has no field 'model'"),
+        ("bad model", r"field 'model' is not a valid GPTConfig .*hidden_size"),
+        ("missing", r"does not hold the tensors .*1 missing: blocks.1.mlp.fc2.weight"),
+        ("extra", r"does not hold the tensors .*1 unexpected: lm_head.weight"),
+        (
+            "shape",
+            r"1 with the wrong shape: pos_emb.weight \[4, 16\] \(config.json gives \[8, 16\]\)",
+        ),
+        ("json", r"config.json is not valid JSON"),
+    ],
+)
 def test_import_dense_names_what_is_wrong(tmp_path, how, message):
     state, meta = weights(0), {"model": CONFIG.to_dict(), "format": "tpedu-dense-1"}
     if how == "hf":

@@ -18,8 +18,16 @@ def test_hello_launches_its_own_ranks():
 
 
 def test_hello_joins_under_torchrun():
-    p = run("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-            "-m", "tpedu", "hello")  # fmt: skip
+    p = run(
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "tpedu",
+        "hello",
+    )
     assert p.returncode == 0, p.stderr
     for r in range(2):
         assert f"rank {r} of 2 on gloo: all_reduce(rank) = 1 (expected 1) ✓" in p.stdout
@@ -39,14 +47,24 @@ def test_a_world_size_mismatch_under_torchrun_is_one_line_from_rank_0():
 
     from tpedu.launcher import free_port
 
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-           "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "test"}  # fmt: skip
+    env = {
+        **os.environ,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "WORLD_SIZE": "2",
+        "LOCAL_WORLD_SIZE": "2",
+        "TORCHELASTIC_RUN_ID": "test",
+    }
     procs = [
-        subprocess.Popen([sys.executable, "-m", "tpedu", "train", "--tp", "4", "--steps", "2"],
-                         env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, text=True,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        subprocess.Popen(
+            [sys.executable, "-m", "tpedu", "train", "--tp", "4", "--steps", "2"],
+            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
         for r in range(2)
-    ]  # fmt: skip
+    ]
     try:
         outs = [p.communicate(timeout=60) for p in procs]
     finally:
@@ -55,6 +73,9 @@ def test_a_world_size_mismatch_under_torchrun_is_one_line_from_rank_0():
                 p.kill()
                 p.wait()
     assert [p.returncode for p in procs] == [2, 2], outs
-    assert outs[0] == ("", "tpedu: error: --tp 4 does not match torchrun's world size 2; pass "
-                           "--tp 2 or start 4 processes\n")  # fmt: skip
+    assert outs[0] == (
+        "",
+        "tpedu: error: --tp 4 does not match torchrun's world size 2; pass "
+        "--tp 2 or start 4 processes\n",
+    )
     assert outs[1] == ("", "")

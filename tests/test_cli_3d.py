@@ -17,8 +17,22 @@ import pytest
 from tpedu.cli.commands import main
 from tpedu.launcher import free_port
 
-SMALL = ["--layers", "2", "--hidden", "32", "--heads", "4", "--seq", "16", "--batch", "4",
-         "--steps", "3", "--eval-every", "1"]  # fmt: skip
+SMALL = [
+    "--layers",
+    "2",
+    "--hidden",
+    "32",
+    "--heads",
+    "4",
+    "--seq",
+    "16",
+    "--batch",
+    "4",
+    "--steps",
+    "3",
+    "--eval-every",
+    "1",
+]
 
 
 def tpedu(capfd, *args):
@@ -55,8 +69,21 @@ def same(got, ref):
 
 
 def test_train_2x2x2_plainly_on_8_ranks(reference, tmp_path, capfd):
-    code, out, err = tpedu(capfd, "train", "--tp", "2", "--pp", "2", "--dp", "2", *SMALL,
-                           "--stage-split", "flops", "--json", str(tmp_path / "s.json"))  # fmt: skip
+    code, out, err = tpedu(
+        capfd,
+        "train",
+        "--tp",
+        "2",
+        "--pp",
+        "2",
+        "--dp",
+        "2",
+        *SMALL,
+        "--stage-split",
+        "flops",
+        "--json",
+        str(tmp_path / "s.json"),
+    )
     assert code == 0, err
     summary = json.loads(out[out.index("{") :])
     assert (summary["tp"], summary["pp"], summary["dp"]) == (2, 2, 2)
@@ -71,13 +98,36 @@ def test_two_node_torchrun_on_loopback(reference, tmp_path):
     port = free_port()
     procs = []
     for node in (0, 1):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
-               "--nproc_per_node", "1", "--node_rank", str(node), "--rdzv_backend", "c10d",
-               "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", f"tpedu-{port}",
-               "-m", "tpedu", "train", "--tp", "1", "--pp", "2", *SMALL,
-               "--json", str(tmp_path / f"s{node}.json")]  # fmt: skip
-        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True))  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "2",
+            "--nproc_per_node",
+            "1",
+            "--node_rank",
+            str(node),
+            "--rdzv_backend",
+            "c10d",
+            "--rdzv_endpoint",
+            f"127.0.0.1:{port}",
+            "--rdzv_id",
+            f"tpedu-{port}",
+            "-m",
+            "tpedu",
+            "train",
+            "--tp",
+            "1",
+            "--pp",
+            "2",
+            *SMALL,
+            "--json",
+            str(tmp_path / f"s{node}.json"),
+        ]
+        procs.append(
+            subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        )
     try:
         outs = [p.communicate(timeout=300) for p in procs]
     finally:
@@ -100,15 +150,15 @@ def test_two_node_torchrun_on_loopback(reference, tmp_path):
         (
             ["--tp", "1", "--pp", "2", "--micro-batches", "3", *SMALL],
             "--micro-batches 3 does not divide the per-replica batch 4",
-        ),  # fmt: skip
+        ),
         (
             ["--tp", "1", "--pp", "2", "--chunks", "2", *SMALL],
             "--pp 2 --chunks 2: 2 layers cannot be split over 4 stages",
-        ),  # fmt: skip
+        ),
         (
             ["--tp", "1", "--pp", "2", "--chunks", "2", "--layers", "4", *SMALL[2:]],
             "2 chunks per rank need the 'interleaved' schedule",
-        ),  # fmt: skip
+        ),
         (["--tp", "1", "--dp", "0"], "--dp must be at least 1"),
         (["--tp", "4", "--pp", "4", "--dp", "4"], "tp·pp·dp = 64 is more than 4 ranks per core"),
     ],

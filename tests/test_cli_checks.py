@@ -19,8 +19,20 @@ from tpedu.model.dense import DenseGPT
 from tpedu.train.data.corpus import novel_data
 from tpedu.train.generate import generate
 
-TINY = ["--layers", "1", "--hidden", "32", "--heads", "2", "--seq", "16", "--batch", "2",
-        "--steps", "1"]  # fmt: skip
+TINY = [
+    "--layers",
+    "1",
+    "--hidden",
+    "32",
+    "--heads",
+    "2",
+    "--seq",
+    "16",
+    "--batch",
+    "2",
+    "--steps",
+    "1",
+]
 
 
 def one_line_error(capfd, args, message):
@@ -74,14 +86,17 @@ def test_out_and_ckpt_dir_must_be_directories(flag, a_file, capfd):
 @pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="this machine has the GPUs")
 def test_nccl_needs_a_gpu_per_rank(capfd):
     gpus = torch.cuda.device_count()
-    one_line_error(capfd, ["hello", "--nprocs", "2", "--backend", "nccl"],
-                   f"--backend nccl needs one GPU per rank: 2 ranks on this machine, {gpus} "
-                   "GPUs visible")  # fmt: skip
+    one_line_error(
+        capfd,
+        ["hello", "--nprocs", "2", "--backend", "nccl"],
+        f"--backend nccl needs one GPU per rank: 2 ranks on this machine, {gpus} GPUs visible",
+    )
 
 
 def tiny_config(vocab_size, **overrides):
-    return GPTConfig.gpt2_like(vocab_size, **{"seq_len": 16, "n_layers": 1, "hidden": 32,
-                                              "n_heads": 2, **overrides})  # fmt: skip
+    return GPTConfig.gpt2_like(
+        vocab_size, **{"seq_len": 16, "n_layers": 1, "hidden": 32, "n_heads": 2, **overrides}
+    )
 
 
 def write_model_dir(path, config, tok=None):
@@ -103,8 +118,18 @@ def test_generate_with_a_sequence_parallel_model(tmp_path, capfd):
     tok = novel_data("char")[0]
     config = tiny_config(tok.vocab_size, sequence_parallel=True)
     state = write_model_dir(tmp_path / "sp", config, tok)
-    code, out, err = tpedu(capfd, "generate", "--tp", "2", "--model", str(tmp_path / "sp"),
-                           "--prompt", "宝玉", "--max-new-tokens", "5")  # fmt: skip
+    code, out, err = tpedu(
+        capfd,
+        "generate",
+        "--tp",
+        "2",
+        "--model",
+        str(tmp_path / "sp"),
+        "--prompt",
+        "宝玉",
+        "--max-new-tokens",
+        "5",
+    )
     assert code == 0, err
     plain = tiny_config(tok.vocab_size)
     ids = launch(generate, 1, plain, state, tok.encode("宝玉"), 5)[0]
@@ -115,8 +140,9 @@ def test_reshard_a_dense_model_dir_to_hf(tmp_path, capfd):
     transformers = pytest.importorskip("transformers")
     config = tiny_config(37)
     state = write_model_dir(tmp_path / "m", config)
-    code, out, err = tpedu(capfd, "reshard", str(tmp_path / "m"), "--to", "hf",
-                           "--out", str(tmp_path / "hf"))  # fmt: skip
+    code, out, err = tpedu(
+        capfd, "reshard", str(tmp_path / "m"), "--to", "hf", "--out", str(tmp_path / "hf")
+    )
     assert code == 0, err
     assert {p.name for p in (tmp_path / "hf").iterdir()} == {"config.json", "model.safetensors"}
     hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf").double().eval()
@@ -127,8 +153,11 @@ def test_reshard_a_dense_model_dir_to_hf(tmp_path, capfd):
         diff = (hf(ids).logits - dense.double().eval()(ids)).abs().max().item()
     assert diff < 1e-12, f"max |HF - tpedu| logits = {diff:.1e}"
     capfd.readouterr()  # transformers' loading progress bar
-    one_line_error(capfd, ["reshard", str(tmp_path / "m"), "--to", "dense", "--out",
-                           str(tmp_path / "d")], "is already a dense model dir")  # fmt: skip
+    one_line_error(
+        capfd,
+        ["reshard", str(tmp_path / "m"), "--to", "dense", "--out", str(tmp_path / "d")],
+        "is already a dense model dir",
+    )
 
 
 def write_checkpoint(path, n_layers, vocab_size=37):
@@ -140,15 +169,36 @@ def write_checkpoint(path, n_layers, vocab_size=37):
 def test_resume_layout_is_checked_on_the_checkpoints_layers(tmp_path, capfd):
     """--pp and --chunks are checked against the checkpoint's n_layers, not --layers."""
     two = write_checkpoint(tmp_path / "two", 2)
-    one_line_error(capfd, ["train", "--tp", "1", "--pp", "2", "--chunks", "2", "--schedule",
-                           "interleaved", *TINY[2:], "--batch", "4", "--layers", "4",
-                           "--resume", str(two)],
-                   "2 layers cannot be split over 4 stages")  # fmt: skip
+    one_line_error(
+        capfd,
+        [
+            "train",
+            "--tp",
+            "1",
+            "--pp",
+            "2",
+            "--chunks",
+            "2",
+            "--schedule",
+            "interleaved",
+            *TINY[2:],
+            "--batch",
+            "4",
+            "--layers",
+            "4",
+            "--resume",
+            str(two),
+        ],
+        "2 layers cannot be split over 4 stages",
+    )
     # A 4-layer checkpoint at --pp 4 (no --layers): the layout passes; the next check is the
     # vocabulary (37 here, so no ranks start).
     four = write_checkpoint(tmp_path / "four", 4)
-    one_line_error(capfd, ["train", "--tp", "1", "--pp", "4", *TINY[4:], "--batch", "4",
-                           "--resume", str(four)], "has vocab_size 37")  # fmt: skip
+    one_line_error(
+        capfd,
+        ["train", "--tp", "1", "--pp", "4", *TINY[4:], "--batch", "4", "--resume", str(four)],
+        "has vocab_size 37",
+    )
 
 
 # ---------------------------------------------------- refused before launch: no rank may start
@@ -179,14 +229,19 @@ def launches(*args):
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--lr", "-1"], "--lr must be a positive number (the peak learning rate, e.g. 3e-3), got -1"),
+        (
+            ["--lr", "-1"],
+            "--lr must be a positive number (the peak learning rate, e.g. 3e-3), got -1",
+        ),
         (["--lr", "0"], "--lr must be a positive number"),
         (["--lr", "nan"], "--lr must be a positive number"),
         (["--min-lr", "-0.0001"], "--min-lr must be a number at least 0"),
         (["--min-lr", "0.01"], "--min-lr 0.01 is above --lr 0.003"),
         (["--warmup", "-1"], "--warmup must be at least 0, got -1"),
-        (["--weight-decay", "-0.1"], "--weight-decay must be a number at least 0 (0: no weight "
-                                     "decay), got -0.1"),  # fmt: skip
+        (
+            ["--weight-decay", "-0.1"],
+            "--weight-decay must be a number at least 0 (0: no weight decay), got -0.1",
+        ),
         (["--grad-clip", "-1"], "--grad-clip must be a number at least 0 (0: no clipping), got -1"),
         (["--grad-clip", "inf"], "--grad-clip must be a number at least 0"),
         (["--eval-batches", "0"], "--eval-batches must be at least 1, got 0"),
@@ -203,9 +258,11 @@ def test_bad_train_numbers_fail_before_ranks_start(args, message, no_launch, cap
 
 
 def test_good_train_numbers_start_the_ranks(no_launch):
-    for args in (["--grad-clip", "0", "--weight-decay", "0", "--warmup", "0", "--min-lr", "0"],
-                 ["--lr", "1e-3", "--min-lr", "1e-3", "--eval-every", "0", "--eval-batches", "1"],
-                 ["--tokenizer", "char", "--bpe-vocab", "-5"]):  # fmt: skip
+    for args in (
+        ["--grad-clip", "0", "--weight-decay", "0", "--warmup", "0", "--min-lr", "0"],
+        ["--lr", "1e-3", "--min-lr", "1e-3", "--eval-every", "0", "--eval-batches", "1"],
+        ["--tokenizer", "char", "--bpe-vocab", "-5"],
+    ):
         assert launches("train", "--tp", "1", *TINY, *args)
 
 
@@ -221,27 +278,61 @@ def test_train_settings_reach_the_training_loop(monkeypatch):
     monkeypatch.setattr(commands, "run", record)
     with pytest.raises(Launched):
         main(["train", "--tp", "1", *TINY])  # the defaults: as before the flags existed
-    assert (seen["min_lr"], seen["warmup"], seen["weight_decay"], seen["grad_clip"],
-            seen["eval_batches"]) == (pytest.approx(3e-4), 1, 0.1, 1.0, 4)  # fmt: skip
+    assert (
+        seen["min_lr"],
+        seen["warmup"],
+        seen["weight_decay"],
+        seen["grad_clip"],
+        seen["eval_batches"],
+    ) == (pytest.approx(3e-4), 1, 0.1, 1.0, 4)
     with pytest.raises(Launched):
-        main(["train", "--tp", "1", *TINY, "--min-lr", "1e-4", "--warmup", "3", "--weight-decay",
-              "0.01", "--grad-clip", "0", "--eval-batches", "2"])  # fmt: skip
-    assert (seen["min_lr"], seen["warmup"], seen["weight_decay"], seen["grad_clip"],
-            seen["eval_batches"]) == (1e-4, 3, 0.01, 0.0, 2)  # fmt: skip
+        main(
+            [
+                "train",
+                "--tp",
+                "1",
+                *TINY,
+                "--min-lr",
+                "1e-4",
+                "--warmup",
+                "3",
+                "--weight-decay",
+                "0.01",
+                "--grad-clip",
+                "0",
+                "--eval-batches",
+                "2",
+            ]
+        )
+    assert (
+        seen["min_lr"],
+        seen["warmup"],
+        seen["weight_decay"],
+        seen["grad_clip"],
+        seen["eval_batches"],
+    ) == (1e-4, 3, 0.01, 0.0, 2)
 
 
-def test_a_prompt_the_tokenizer_cannot_encode_fails_before_ranks_start(tmp_path, no_launch,
-                                                                        capfd):  # fmt: skip
+def test_a_prompt_the_tokenizer_cannot_encode_fails_before_ranks_start(tmp_path, no_launch, capfd):
     tok = novel_data("char")[0]
     write_model_dir(tmp_path / "m", tiny_config(tok.vocab_size), tok)
     gen = ["generate", "--tp", "1", "--model", str(tmp_path / "m")]
-    one_line_error(capfd, [*gen, "--prompt", "Hello, world €"],
-                   "the prompt has 6 characters the model's tokenizer does not know: 'H', 'e', "
-                   "',', 'w', 'd', '€' (")  # fmt: skip
-    one_line_error(capfd, [*gen, "--prompt", "宝玉€"], "the prompt has 1 character the model's "
-                   "tokenizer does not know: '€' (")  # fmt: skip
-    one_line_error(capfd, [*gen, "--prompt", "".join(chr(0x10000 + i) for i in range(12))],
-                   "'\U00010009' and 2 more (")  # fmt: skip
+    one_line_error(
+        capfd,
+        [*gen, "--prompt", "Hello, world €"],
+        "the prompt has 6 characters the model's tokenizer does not know: 'H', 'e', "
+        "',', 'w', 'd', '€' (",
+    )
+    one_line_error(
+        capfd,
+        [*gen, "--prompt", "宝玉€"],
+        "the prompt has 1 character the model's tokenizer does not know: '€' (",
+    )
+    one_line_error(
+        capfd,
+        [*gen, "--prompt", "".join(chr(0x10000 + i) for i in range(12))],
+        "'\U00010009' and 2 more (",
+    )
     assert launches(*gen, "--prompt", "宝玉 ")  # characters of the novel
 
 
@@ -250,8 +341,18 @@ def test_a_byte_level_bpe_model_takes_any_prompt(tmp_path, capfd):
 
     tok = BPETokenizer.train("满纸荒唐言，一把辛酸泪。\nHello there\n", 300)
     write_model_dir(tmp_path / "m", tiny_config(tok.vocab_size), tok)
-    code, out, err = tpedu(capfd, "generate", "--tp", "1", "--model", str(tmp_path / "m"),
-                           "--prompt", "Hello, world €", "--max-new-tokens", "2")  # fmt: skip
+    code, out, err = tpedu(
+        capfd,
+        "generate",
+        "--tp",
+        "1",
+        "--model",
+        str(tmp_path / "m"),
+        "--prompt",
+        "Hello, world €",
+        "--max-new-tokens",
+        "2",
+    )
     assert code == 0, err
     assert "Hello, world €" in out  # the prompt, then what the random model added
 
@@ -281,8 +382,11 @@ def notes(tmp_path):
 
 
 def test_out_refuses_a_directory_that_is_not_a_model(notes, tmp_path, no_launch, capfd):
-    one_line_error(capfd, ["train", "--tp", "1", *TINY, "--out", str(notes)],
-                   f"--out {notes} exists and is not a model directory (no config.json)")  # fmt: skip
+    one_line_error(
+        capfd,
+        ["train", "--tp", "1", *TINY, "--out", str(notes)],
+        f"--out {notes} exists and is not a model directory (no config.json)",
+    )
     assert (notes / "todo.txt").read_text() == "keep me"
     (tmp_path / "empty").mkdir()
     write_model_dir(tmp_path / "model", tiny_config(37))
@@ -293,28 +397,41 @@ def test_out_refuses_a_directory_that_is_not_a_model(notes, tmp_path, no_launch,
 @pytest.mark.parametrize("to", ["dense", "hf"])
 def test_reshard_exports_refuse_a_directory_that_is_not_a_model(to, notes, tmp_path, capfd):
     ck = write_checkpoint(tmp_path / "ck", 1)
-    one_line_error(capfd, ["reshard", str(ck), "--to", to, "--out", str(notes)],
-                   f"--out {notes} exists and is not a model directory")  # fmt: skip
+    one_line_error(
+        capfd,
+        ["reshard", str(ck), "--to", to, "--out", str(notes)],
+        f"--out {notes} exists and is not a model directory",
+    )
     assert [p.name for p in notes.iterdir()] == ["todo.txt"]
 
 
 def test_json_must_be_a_writable_file_name(tmp_path, no_launch, capfd):
-    one_line_error(capfd, ["train", "--tp", "1", *TINY, "--json", str(tmp_path)],
-                   "is a directory; give a file name")  # fmt: skip
-    one_line_error(capfd, ["train", "--tp", "1", *TINY, "--json", str(tmp_path / "no" / "s.json")],
-                   f"{tmp_path / 'no'} is not a directory")  # fmt: skip
+    one_line_error(
+        capfd,
+        ["train", "--tp", "1", *TINY, "--json", str(tmp_path)],
+        "is a directory; give a file name",
+    )
+    one_line_error(
+        capfd,
+        ["train", "--tp", "1", *TINY, "--json", str(tmp_path / "no" / "s.json")],
+        f"{tmp_path / 'no'} is not a directory",
+    )
 
 
 @pytest.mark.parametrize(
     ("args", "world", "message"),
     [
         (["--tp", "4"], 2, "--tp 4 does not match torchrun's world size 2; pass --tp 2"),
-        (["--tp", "1", "--pp", "2", "--dp", "2"], 2,
-         "--tp 1 × --pp 2 × --dp 2 = 4 ranks does not match torchrun's world size 2"),
+        (
+            ["--tp", "1", "--pp", "2", "--dp", "2"],
+            2,
+            "--tp 1 × --pp 2 × --dp 2 = 4 ranks does not match torchrun's world size 2",
+        ),
     ],
-)  # fmt: skip
-def test_a_torchrun_world_size_mismatch_is_one_line_from_rank_0(args, world, message,
-                                                                monkeypatch, no_launch, capfd):  # fmt: skip
+)
+def test_a_torchrun_world_size_mismatch_is_one_line_from_rank_0(
+    args, world, message, monkeypatch, no_launch, capfd
+):
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", "29999")
     monkeypatch.setenv("WORLD_SIZE", str(world))

@@ -6,16 +6,31 @@ import sys
 
 import pytest
 
-SMALL = ["--layers", "1", "--hidden", "32", "--heads", "4", "--seq", "32", "--batch", "4",
-         "--steps", "4", "--eval-every", "2"]  # fmt: skip
+SMALL = [
+    "--layers",
+    "1",
+    "--hidden",
+    "32",
+    "--heads",
+    "4",
+    "--seq",
+    "32",
+    "--batch",
+    "4",
+    "--steps",
+    "4",
+    "--eval-every",
+    "2",
+]
 
 
 def tpedu(*args, torchrun=None, timeout=300):
     cmd = [sys.executable]
     if torchrun:
         cmd += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(torchrun)]
-    return subprocess.run([*cmd, "-m", "tpedu", *args], capture_output=True, text=True,
-                          timeout=timeout)  # fmt: skip
+    return subprocess.run(
+        [*cmd, "-m", "tpedu", *args], capture_output=True, text=True, timeout=timeout
+    )
 
 
 def summary_of(stdout):
@@ -46,8 +61,20 @@ def test_train_under_torchrun_matches_the_plain_run(trained):
 
 def test_generate_continues_the_prompt(trained):
     out, _ = trained
-    runs = [tpedu("generate", "--tp", str(tp), "--model", str(out), "--prompt", "宝玉",
-                  "--max-new-tokens", "12") for tp in (1, 2)]  # fmt: skip
+    runs = [
+        tpedu(
+            "generate",
+            "--tp",
+            str(tp),
+            "--model",
+            str(out),
+            "--prompt",
+            "宝玉",
+            "--max-new-tokens",
+            "12",
+        )
+        for tp in (1, 2)
+    ]
     for p in runs:
         assert p.returncode == 0, p.stderr
     texts = [p.stdout.strip().splitlines()[-1] for p in runs]
@@ -88,40 +115,47 @@ def refused(p, message):
 
 
 def test_a_negative_learning_rate_is_refused_before_ranks_start():
-    refused(tpedu("train", "--lr", "-1"),
-            "--lr must be a positive number (the peak learning rate, e.g. 3e-3), got -1")  # fmt: skip
+    refused(
+        tpedu("train", "--lr", "-1"),
+        "--lr must be a positive number (the peak learning rate, e.g. 3e-3), got -1",
+    )
 
 
 def test_a_prompt_with_characters_the_model_does_not_know_is_refused(trained):
     out, _ = trained
     p = tpedu("generate", "--model", str(out), "--prompt", "Hello, world €")
-    refused(p, "the prompt has 6 characters the model's tokenizer does not know: 'H', 'e', ',', "
-               "'w', 'd', '€' (")  # fmt: skip
+    refused(
+        p,
+        "the prompt has 6 characters the model's tokenizer does not know: 'H', 'e', ',', "
+        "'w', 'd', '€' (",
+    )
     assert p.stderr.strip().endswith("use characters from its training text")
 
 
 def test_a_truncated_checkpoint_is_refused_before_ranks_start(tmp_path):
-    import torch
-
     from tpedu import checkpoint
     from tpedu.model.config import GPTConfig
     from tpedu.model.dense import DenseGPT
     from tpedu.train.data.corpus import novel_data
 
-    config = GPTConfig.gpt2_like(novel_data("char")[0].vocab_size, seq_len=16, n_layers=1,
-                                 hidden=32, n_heads=2)  # fmt: skip
-    step = checkpoint.write_sharded(tmp_path / "ck", config, DenseGPT(config).state_dict(), 0,
-                                    tp=2)  # fmt: skip
+    config = GPTConfig.gpt2_like(
+        novel_data("char")[0].vocab_size, seq_len=16, n_layers=1, hidden=32, n_heads=2
+    )
+    step = checkpoint.write_sharded(tmp_path / "ck", config, DenseGPT(config).state_dict(), 0, tp=2)
     shard = sorted(step.glob("*.safetensors"))[-1]
     with open(shard, "r+b") as f:
         f.truncate(100)
-    refused(tpedu("train", "--resume", str(tmp_path / "ck")),
-            f"{shard} is truncated or overwritten: 100 bytes")  # fmt: skip
+    refused(
+        tpedu("train", "--resume", str(tmp_path / "ck")),
+        f"{shard} is truncated or overwritten: 100 bytes",
+    )
 
 
 def test_out_does_not_replace_a_directory_of_other_files(tmp_path):
     (tmp_path / "todo.txt").write_text("keep me")
-    refused(tpedu("train", *SMALL, "--out", str(tmp_path)),
-            f"--out {tmp_path} exists and is not a model directory (no config.json)")  # fmt: skip
+    refused(
+        tpedu("train", *SMALL, "--out", str(tmp_path)),
+        f"--out {tmp_path} exists and is not a model directory (no config.json)",
+    )
     assert [p.name for p in tmp_path.iterdir()] == ["todo.txt"]
     assert (tmp_path / "todo.txt").read_text() == "keep me"

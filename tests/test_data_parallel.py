@@ -63,9 +63,15 @@ def test_dp_equals_one_process_with_the_global_batch():
             (m(xs[half:], ys[half:]) * (B - half) / B).backward()
             dp.finish()
         acc = {k: p.grad.clone() for k, p in m.named_parameters()}
-        return {"grads": grads, "acc": acc, "buckets": len(dp.buckets),
-                "bw": t.count("all_reduce", phase="backward"), "all": t.count("all_reduce"),
-                "acc_calls": t2.count("all_reduce"), "started": started_before_last}  # fmt: skip
+        return {
+            "grads": grads,
+            "acc": acc,
+            "buckets": len(dp.buckets),
+            "bw": t.count("all_reduce", phase="backward"),
+            "all": t.count("all_reduce"),
+            "acc_calls": t2.count("all_reduce"),
+            "started": started_before_last,
+        }
 
     for n in (1, 2, 3, 4):
         ref = model()
@@ -91,8 +97,10 @@ def test_zero1_matches_plain_dp_exactly_and_shards_the_states():
         r = dist.get_rank()
         m = model()
         dp = DataParallel(m, bucket_numel=500)
-        groups = [{"params": [p for p in m.parameters() if p.dim() >= 2], "weight_decay": 0.1},
-                  {"params": [p for p in m.parameters() if p.dim() < 2], "weight_decay": 0.0}]  # fmt: skip
+        groups = [
+            {"params": [p for p in m.parameters() if p.dim() >= 2], "weight_decay": 0.1},
+            {"params": [p for p in m.parameters() if p.dim() < 2], "weight_decay": 0.0},
+        ]
         kw = {"lr": 1e-2, "betas": (0.9, 0.95)}
         opt = ZeRO1(groups, **kw) if zero else torch.optim.AdamW(groups, **kw)
         with CommTracer() as t:

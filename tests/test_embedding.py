@@ -31,8 +31,9 @@ def _worker(vocab, hidden, ids):
     torch.manual_seed(0)
     w = torch.randn(vocab, hidden, dtype=torch.float64, device=dev)
     ids = ids.to(dev)
-    grad_out = torch.randn(*ids.shape, hidden, generator=torch.Generator().manual_seed(1),
-                           dtype=torch.float64).to(dev)  # fmt: skip
+    grad_out = torch.randn(
+        *ids.shape, hidden, generator=torch.Generator().manual_seed(1), dtype=torch.float64
+    ).to(dev)
     dense = torch.nn.Embedding.from_pretrained(w.clone(), freeze=False)
     yd = dense(ids)
     (yd * grad_out).sum().backward()  # y.backward(g) would import sympy (5 s) in each rank
@@ -50,10 +51,17 @@ def _worker(vocab, hidden, ids):
         "grad": (emb.dense_grad() - dense.weight.grad).abs().max().item(),
         "weight": (emb.dense_weight() - w).abs().max().item(),
         "local_rows": emb.weight.shape[0],
-        "rep": max((yr - yd).abs().max().item(), (rep.weight.grad - dense.weight.grad).abs().max().item()),
-        "comm": (tr.count("all_reduce", "forward"), tr.numel("all_reduce", "forward"),
-                 tr.count(phase="backward"), tr.count(), tr_rep.count()),
-    }  # fmt: skip
+        "rep": max(
+            (yr - yd).abs().max().item(), (rep.weight.grad - dense.weight.grad).abs().max().item()
+        ),
+        "comm": (
+            tr.count("all_reduce", "forward"),
+            tr.numel("all_reduce", "forward"),
+            tr.count(phase="backward"),
+            tr.count(),
+            tr_rep.count(),
+        ),
+    }
 
 
 @pytest.mark.parametrize("tp", [1, 2, 3, 4])

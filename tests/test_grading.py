@@ -14,8 +14,13 @@ ROOT = grading.ROOT
 
 
 def grade(kind, *names):
-    p = subprocess.run([sys.executable, "-m", "tpedu.course.grading", kind, *names, "--json"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=600)  # fmt: skip
+    p = subprocess.run(
+        [sys.executable, "-m", "tpedu.course.grading", kind, *names, "--json"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert p.returncode == 0, p.stderr
     return {s["exercise"]: s for s in json.loads(p.stdout.strip().splitlines()[-1])}
 

@@ -23,7 +23,7 @@ import tpedu
 from tpedu import RankError, launch
 from tpedu.comm.tracer import CommTracer
 from tpedu.tp.layers import ColumnParallelLinear, RowParallelLinear
-from tpedu.tp.sharding import check_divisible, shard, unshard, valid_tp_sizes
+from tpedu.tp.sharding import check_divisible, divisors, shard, unshard
 
 IN, OUT, BATCH = 7, 12, (3, 5)  # 12 divides by 1, 2, 3, 4; 7 is odd
 SAME_MATH = 1e-13
@@ -99,8 +99,11 @@ def column_worker():
     y = permuted(xp)
     (y * g).sum().backward()
     out["perm_gather"] = md(y, dense(x))
-    out["perm_grads"] = max(md(xp.grad, xd.grad), md(permuted.dense_weight(grad=True), dense.weight.grad),
-                            md(permuted.dense_bias(grad=True), dense.bias.grad))  # fmt: skip
+    out["perm_grads"] = max(
+        md(xp.grad, xd.grad),
+        md(permuted.dense_weight(grad=True), dense.weight.grad),
+        md(permuted.dense_bias(grad=True), dense.bias.grad),
+    )
     return out
 
 
@@ -226,7 +229,7 @@ def test_bad_shapes_are_clear_errors():
 
 
 def test_check_divisible():
-    assert valid_tp_sizes(12) == [1, 2, 3, 4, 6, 12]
+    assert divisors(12) == [1, 2, 3, 4, 6, 12]
     check_divisible(12, 3, "x")  # no error
     with pytest.raises(
         ValueError, match=r"^8 heads = 8 is not divisible by tp=3; valid tp values: 1, 2, 4, 8$"

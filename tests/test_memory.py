@@ -174,3 +174,30 @@ def test_calculator_wires_widgets_to_ledger(capsys):
     capsys.readouterr()
     calc.tp.value = 64  # 32 heads / 64: reported in the output, not raised
     assert "32 heads are not divisible by tp=64" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"tie_embeddings": False}, {"bias": False}, {"n_kv_heads": 2, "ffn_hidden": 50}],
+    ids=["gpt2", "untied", "no-bias", "gqa-ffn"],
+)
+def test_model_shape_from_config_counts_the_real_model(overrides):
+    from tpedu.model.config import GPTConfig
+    from tpedu.model.dense import DenseGPT
+
+    config = GPTConfig.gpt2_like(97, seq_len=16, n_layers=2, hidden=24, n_heads=4, **overrides)
+    shape = ModelShape.from_config(config, micro_batch=3)
+    real = sum(p.numel() for p in DenseGPT(config).parameters())
+    assert shape.n_params == real == sum(p.numel() for p in TinyGPT(shape).parameters())
+    assert (shape.vocab_size, shape.seq_len, shape.n_layers, shape.hidden, shape.n_heads) == (
+        97,
+        16,
+        2,
+        24,
+        4,
+    )
+    assert (shape.kv_heads, shape.ffn, shape.micro_batch) == (config.kv_heads, config.ffn, 3)
+    with pytest.raises(
+        ValueError, match="this config has norm='rmsnorm', position='rope', activation='swiglu'"
+    ):
+        ModelShape.from_config(GPTConfig.llama_like(97))

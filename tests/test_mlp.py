@@ -35,8 +35,9 @@ def mlp_worker():
     results = {}
     for act in ACTS:
         torch.manual_seed(0)
-        dense = DenseMLP(H, F, act, hidden_dropout=0.3, output_dropout=0.1, seed=1234,
-                         dtype=torch.float64).to(tpedu.device())  # fmt: skip
+        dense = DenseMLP(
+            H, F, act, hidden_dropout=0.3, output_dropout=0.1, seed=1234, dtype=torch.float64
+        ).to(tpedu.device())
         par = ParallelMLP.from_dense(dense)
         diffs, calls = [], []
         for step in range(2):
@@ -61,10 +62,12 @@ def mlp_worker():
         if act == "swiglu":
             pairs.append((par.up, dense.up))
         grads = max(
-            max(md(p.dense_weight(grad=True), d.weight.grad),
-                md(p.dense_bias(grad=True), d.bias.grad))
+            max(
+                md(p.dense_weight(grad=True), d.weight.grad),
+                md(p.dense_bias(grad=True), d.bias.grad),
+            )
             for p, d in pairs
-        )  # fmt: skip
+        )
         shapes = [tuple(p.weight.shape) for p, _ in pairs]
         # Step masks differ, and dropout changes the output (so the test is not vacuous).
         x = randn(10, (B, S, H))
@@ -73,8 +76,14 @@ def mlp_worker():
             c = dense.eval()(x)
             evaluated = md(par.eval()(x), c)  # eval mode: both dropouts off in both MLPs
         changed = md(a, b) > 0 and md(a, c) > 0
-        results[act] = dict(diffs=diffs, grads=grads, calls=calls, shapes=shapes, changed=changed,
-                            evaluated=evaluated)  # fmt: skip
+        results[act] = dict(
+            diffs=diffs,
+            grads=grads,
+            calls=calls,
+            shapes=shapes,
+            changed=changed,
+            evaluated=evaluated,
+        )
     return results
 
 

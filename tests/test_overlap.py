@@ -31,9 +31,16 @@ def _worker():
             with CommTracer() as t, record_events() as ev:
                 y = fn(x, w, b, group)
                 y.backward(shard(dy, -1, group))
-            res[name] = (y.detach(), x.grad, w.grad, b.grad, ev,
-                         t.count("all_reduce", "forward"), t.numel("all_reduce", "backward"),
-                         t.count("all_reduce", "backward"))  # fmt: skip
+            res[name] = (
+                y.detach(),
+                x.grad,
+                w.grad,
+                b.grad,
+                ev,
+                t.count("all_reduce", "forward"),
+                t.numel("all_reduce", "backward"),
+                t.count("all_reduce", "backward"),
+            )
         # dense reference: the full layer on one process
         x = x0.clone().requires_grad_()
         w, b = w0.clone().requires_grad_(), b0.clone().requires_grad_()
@@ -82,8 +89,16 @@ def _model_worker(activation):
     from tpedu.model.dense import DenseGPT
     from tpedu.model.gpt import TPGPT
 
-    config = GPTConfig(37, seq_len=6, n_layers=2, hidden=16, n_heads=4, activation=activation,
-                       dropout=0.1, tie_embeddings=False)  # fmt: skip
+    config = GPTConfig(
+        37,
+        seq_len=6,
+        n_layers=2,
+        hidden=16,
+        n_heads=4,
+        activation=activation,
+        dropout=0.1,
+        tie_embeddings=False,
+    )
     torch.manual_seed(0)
     dense = DenseGPT(config)
     ids = torch.randint(0, 37, (3, 6), generator=torch.Generator().manual_seed(1))

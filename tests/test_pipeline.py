@@ -130,12 +130,21 @@ def pipelined(config, layout, kind, m, chunks=1, b=2, s=7):
     mesh = Mesh(layout)
     torch.manual_seed(0)
     dense = DenseGPT(config).double()
-    models = [c.double() for c in build_stage_chunks(dense, mesh.tp_group, mesh.pp_rank,
-                                                     layout.pp, chunks)]  # fmt: skip
+    models = [
+        c.double()
+        for c in build_stage_chunks(dense, mesh.tp_group, mesh.pp_rank, layout.pp, chunks)
+    ]
     ids, tgt = micro(config, m, b, s)
     acts = schedule(kind, m, layout.pp, mesh.pp_rank, chunks)
-    res = run_schedule(models, acts, Pipe.from_mesh(mesh), list(ids.chunk(m)), list(tgt.chunk(m)),
-                       (b, s, config.hidden), torch.float64)  # fmt: skip
+    res = run_schedule(
+        models,
+        acts,
+        Pipe.from_mesh(mesh),
+        list(ids.chunk(m)),
+        list(tgt.chunk(m)),
+        (b, s, config.hidden),
+        torch.float64,
+    )
     sync_tied_grads(models, mesh.emb_group)
     for c in models:
         c.sync_grads()
@@ -213,8 +222,15 @@ def test_a_mismatched_pipeline_ends_in_a_clear_error():
         ids, tgt = micro(CONFIG, 2)
         acts = schedule("1f1b", 2 + mesh.pp_rank, 2, mesh.pp_rank)  # stage 1 expects 3 mbs
         ins = list(ids.chunk(2)) + [ids[:2]]
-        run_schedule(models, acts, Pipe.from_mesh(mesh), ins, list(tgt.chunk(2)) + [tgt[:2]],
-                     (2, 7, CONFIG.hidden), recv_timeout=1.0)  # fmt: skip
+        run_schedule(
+            models,
+            acts,
+            Pipe.from_mesh(mesh),
+            ins,
+            list(tgt.chunk(2)) + [tgt[:2]],
+            (2, 7, CONFIG.hidden),
+            recv_timeout=1.0,
+        )
 
     with pytest.raises((LaunchTimeout, RankError), match="gave up waiting for the activation"):
         launch(worker, 2, timeout=20)

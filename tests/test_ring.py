@@ -45,8 +45,9 @@ def _compare_worker(shapes: list[tuple]) -> list[str]:
             diff = (x - ref).abs()
             tol = torch.zeros_like(scale) if integer else 2 * (t - 1) * EPS * scale
             if not (diff <= tol).all():  # NaN fails too
-                bad.append(f"{shape} integer={integer}: max |ring - library| = "
-                           f"{diff.max().item():.3e}")  # fmt: skip
+                bad.append(
+                    f"{shape} integer={integer}: max |ring - library| = {diff.max().item():.3e}"
+                )
         # A non-contiguous input (a transpose) must be reduced in place as well.
         if len(shape) == 2:
             base = data(rank, shape, True).to(tpedu.device())
@@ -55,8 +56,10 @@ def _compare_worker(shapes: list[tuple]) -> list[str]:
             dist.all_reduce(ref)
             ring_all_reduce(xt)
             if not torch.equal(xt, ref):
-                bad.append(f"{shape} transposed: max |ring - library| = "
-                           f"{(xt - ref).abs().max().item():.3e}")  # fmt: skip
+                bad.append(
+                    f"{shape} transposed: max |ring - library| = "
+                    f"{(xt - ref).abs().max().item():.3e}"
+                )
     return bad
 
 
@@ -132,8 +135,10 @@ def _phases_worker() -> list[str]:
     mine = sum(data(r, (n,), True) for r in range(t)).tensor_split(t)[rank]
     if not torch.equal(chunks[rank], mine):
         bad.append(f"reduce-scatter: max diff {(chunks[rank] - mine).abs().max().item():.3e}")
-    pieces = [torch.full((k.numel(),), float("nan"), dtype=torch.float64)
-              for k in data(0, (n,), True).tensor_split(t)]  # fmt: skip
+    pieces = [
+        torch.full((k.numel(),), float("nan"), dtype=torch.float64)
+        for k in data(0, (n,), True).tensor_split(t)
+    ]
     pieces[rank].copy_(data(rank, (n,), True).tensor_split(t)[rank])
     ring_all_gather(pieces)
     want = torch.cat([data(r, (n,), True).tensor_split(t)[r] for r in range(t)])

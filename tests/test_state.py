@@ -97,8 +97,13 @@ def test_every_parameter_has_its_kind_shard_and_replica_count(style, pp, tp):
 def test_sequence_parallel_marks_the_replicated_parameters_fed_sequence_shards():
     ranks = launch(_walk, 2, GPT2, 1, True)
     kinds = {name: kind for name, kind, *_ in ranks[0]}
-    for name in ("pos_emb.weight", "blocks.0.norm1.weight", "blocks.0.attn.out.bias",
-                 "blocks.1.mlp.fc2.bias", "norm_f.bias"):  # fmt: skip
+    for name in (
+        "pos_emb.weight",
+        "blocks.0.norm1.weight",
+        "blocks.0.attn.out.bias",
+        "blocks.1.mlp.fc2.bias",
+        "norm_f.bias",
+    ):
         assert kinds[name] == "sequence", name
     assert kinds["blocks.0.mlp.fc1.bias"] == "column"
     assert param_kind("blocks.0.norm1.weight", GPT2) == "replicated"  # stored as it is

@@ -57,8 +57,10 @@ def ops_worker():
         out["reduce_fwd"] = y.detach().clone()
         (y * ints(300, SHAPE)).sum().backward()  # y is replicated, so is its gradient
     out["reduce_input_after"], out["reduce_grad"], out["reduce_calls"] = (
-        x.detach().clone(), x.grad, calls(tr)
-    )  # fmt: skip
+        x.detach().clone(),
+        x.grad,
+        calls(tr),
+    )
 
     # scatter: keep own chunk of the last dim; backward all-gathers the gradient chunks.
     full = (*SHAPE[:-1], 2 * t + 1 if t == 1 else 2 * t)  # 3 or 2t columns
@@ -81,8 +83,10 @@ def ops_worker():
     # use on its own branch; the seed's register_hook version would all-reduce repeatedly.
     w = ints(800, SHAPE).requires_grad_()
     for step in range(2):
-        loss = sum((copy_to_tp_region(w) * ints(900 + 10 * step + k, SHAPE) * (r + 1)).sum()
-                   for k in range(3))  # fmt: skip
+        loss = sum(
+            (copy_to_tp_region(w) * ints(900 + 10 * step + k, SHAPE) * (r + 1)).sum()
+            for k in range(3)
+        )
         loss = loss + w.sum()  # a replicated branch (a residual): must NOT be all-reduced
         loss.backward()
     out["reuse_grad"] = w.grad

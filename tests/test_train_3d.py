@@ -33,7 +33,7 @@ CFG = TrainConfig(
     eval_batches=1,
     grad_clip=0.05,
     progress=False,
-)  # fmt: skip  (clip small: it is active)
+)  # clip small: it is active
 
 
 def data():
@@ -134,8 +134,23 @@ def test_interleaved_schedule_matches_one_process(tmp_path):
     schedule."""
     tr, va = data()
     ref = launch(f64, 1, train, DEEP, CFG, tr, va, str(tmp_path / "ref"))[0]
-    results = launch(f64, 2, train_3d, DEEP, CFG, tr, va, 1, 2, 1, None, False, "interleaved",
-                     out=str(tmp_path / "m"), chunks=2)  # fmt: skip
+    results = launch(
+        f64,
+        2,
+        train_3d,
+        DEEP,
+        CFG,
+        tr,
+        va,
+        1,
+        2,
+        1,
+        None,
+        False,
+        "interleaved",
+        out=str(tmp_path / "m"),
+        chunks=2,
+    )
     check(results[0], ref, "interleaved, 2 chunks", rel=F64)
     assert (results[0]["schedule"], results[0]["chunks"], results[0]["micro_batches"]) == (
         "interleaved",

@@ -28,8 +28,18 @@ from tpedu.train.loop import TrainConfig, clip_grads, lr_at, train
 
 V = 41
 CONFIG = GPTConfig.gpt2_like(V, seq_len=8, n_layers=2, hidden=16, n_heads=2)
-CFG = TrainConfig(steps=4, batch=4, lr=1e-2, min_lr=1e-3, warmup=2, weight_decay=0.1,
-                  grad_clip=0.05, eval_every=1, eval_batches=1, progress=False)  # fmt: skip
+CFG = TrainConfig(
+    steps=4,
+    batch=4,
+    lr=1e-2,
+    min_lr=1e-3,
+    warmup=2,
+    weight_decay=0.1,
+    grad_clip=0.05,
+    eval_every=1,
+    eval_batches=1,
+    progress=False,
+)
 # warm-up 1/2, 2/2 of lr; then cosine over steps 2..4: frac 0 (lr) and 1/2 (halfway to min_lr)
 LRS = [1e-2 / 2, 1e-2, 1e-2, (1e-2 + 1e-3) / 2]
 
@@ -38,8 +48,16 @@ def test_lr_warms_up_linearly_then_decays_by_a_cosine():
     cfg = TrainConfig(steps=10, lr=1.0, min_lr=0.1, warmup=4)
     assert [lr_at(s, cfg) for s in range(4)] == pytest.approx([0.25, 0.5, 0.75, 1.0], abs=1e-15)
     # after warm-up: min_lr + (lr - min_lr)·(1 + cos(π·(step - 4)/6))/2
-    cosine = {4: 1.0, 5: 0.1 + 0.45 * (1 + math.sqrt(3) / 2), 6: 0.775, 7: 0.55, 8: 0.325,
-              9: 0.1 + 0.45 * (1 - math.sqrt(3) / 2), 10: 0.1, 12: 0.1}  # fmt: skip
+    cosine = {
+        4: 1.0,
+        5: 0.1 + 0.45 * (1 + math.sqrt(3) / 2),
+        6: 0.775,
+        7: 0.55,
+        8: 0.325,
+        9: 0.1 + 0.45 * (1 - math.sqrt(3) / 2),
+        10: 0.1,
+        12: 0.1,
+    }
     for step, want in cosine.items():
         assert lr_at(step, cfg) == pytest.approx(want, abs=1e-15), step
     assert [lr_at(s, CFG) for s in range(CFG.steps)] == pytest.approx(LRS, abs=1e-15)
@@ -76,8 +94,13 @@ def by_hand(config, cfg, train_ids):
     model = DenseGPT(config)
     matrices = [p for p in model.parameters() if p.ndim == 2]  # linear weights, embedding tables
     rest = [p for p in model.parameters() if p.ndim < 2]  # norms' weights, biases
-    opt = torch.optim.AdamW([{"params": matrices, "weight_decay": cfg.weight_decay},
-                             {"params": rest, "weight_decay": 0.0}], betas=(0.9, 0.95))  # fmt: skip
+    opt = torch.optim.AdamW(
+        [
+            {"params": matrices, "weight_decay": cfg.weight_decay},
+            {"params": rest, "weight_decay": 0.0},
+        ],
+        betas=(0.9, 0.95),
+    )
     losses, norms = [], []
     for step, lr in enumerate(LRS):
         x, y = packed_batch(train_ids, cfg.batch, config.seq_len, step, cfg.seed)

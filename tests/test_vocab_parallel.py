@@ -57,9 +57,13 @@ def _ce_worker(logits, target, vocab, inplace=False):
         "loss": (loss - dense.view(target.shape)).abs().max().item(),
         "grad": (shard.grad[..., :real] - want_grad).abs().max().item(),
         "pad_grad": shard.grad[..., real:].abs().max().item() if real < hi - lo else 0.0,
-        "comm": (tr.count("all_reduce", "forward"), tr.numel("all_reduce", "forward"),
-                 tr.count(phase="backward"), tr.count("all_gather")),
-    }  # fmt: skip
+        "comm": (
+            tr.count("all_reduce", "forward"),
+            tr.numel("all_reduce", "forward"),
+            tr.count(phase="backward"),
+            tr.count("all_gather"),
+        ),
+    }
 
 
 @pytest.mark.parametrize("inplace", [False, True])
@@ -134,13 +138,18 @@ def _sample_worker(logits, vocab):
     shard = _shard(logits, vocab)
     out = {
         "gathered": (gather_logits(shard, vocab) - logits).abs().max().item(),
-        "shard_argmax": shard.argmax(-1) + vocab_range(vocab, dist.get_world_size(), dist.get_rank())[0],
+        "shard_argmax": shard.argmax(-1)
+        + vocab_range(vocab, dist.get_world_size(), dist.get_rank())[0],
         "argmax": vocab_parallel_argmax(shard, vocab),
         "dense_argmax": logits.argmax(-1),
-    }  # fmt: skip
+    }
     # top_k 20 > the shard width at tp 2 (15) and 4 (8): the shards' top-ks are padded with -inf
-    kws = {"t1": {}, "t07k5": {"temperature": 0.7, "top_k": 5}, "k20": {"top_k": 20},
-           "t0": {"temperature": 0}}  # fmt: skip
+    kws = {
+        "t1": {},
+        "t07k5": {"temperature": 0.7, "top_k": 5},
+        "k20": {"top_k": 20},
+        "t0": {"temperature": 0},
+    }
     for name, kw in kws.items():
         draws, dense = [], []
         for seed in range(20):

@@ -21,8 +21,16 @@ GPT3 = ModelShape(n_layers=96, hidden=12288, n_heads=96, vocab_size=50257, seq_l
 SMALL = ModelShape(n_layers=6, hidden=384, n_heads=6, vocab_size=1000, seq_len=256, ffn_hidden=1000)
 WIDE = ModelShape(n_layers=6, hidden=384, n_heads=8, vocab_size=1000, seq_len=256, ffn_hidden=1000)
 # A made-up machine with round numbers, so expected values are computable by hand.
-TOY = Hardware("toy", peak_flops=1e12, intra_bw=1e9, inter_bw=1e8, gpus_per_node=4,
-               intra_alpha=1e-5, inter_alpha=1e-4, bus_efficiency=1.0)  # fmt: skip
+TOY = Hardware(
+    "toy",
+    peak_flops=1e12,
+    intra_bw=1e9,
+    inter_bw=1e8,
+    gpus_per_node=4,
+    intra_alpha=1e-5,
+    inter_alpha=1e-4,
+    bus_efficiency=1.0,
+)
 
 
 def test_parameter_count_and_flops_per_token():
@@ -58,8 +66,11 @@ def test_tp_communication_is_four_ring_allreduces_per_layer_and_micro_batch():
     # tp 8 > 4 GPUs per node: two levels, the network carrying a quarter of the bytes per GPU
     wide = predict(WIDE, Parallel(tp=8, batch=8, micro=2), TOY, 0.5)
     nvlink, network = AlphaBeta(1e-5, 1e-9), AlphaBeta(1e-4, 1e-8)
-    two_level = (nvlink.predict("reduce_scatter", n, 4) + network.predict("all_reduce", n / 4, 2)
-                 + nvlink.predict("all_gather", n, 4))  # fmt: skip
+    two_level = (
+        nvlink.predict("reduce_scatter", n, 4)
+        + network.predict("all_reduce", n / 4, 2)
+        + nvlink.predict("all_gather", n, 4)
+    )
     assert wide.tp == pytest.approx(4 * 4 * 6 * two_level, rel=1e-12)
 
 

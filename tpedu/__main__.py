@@ -1,4 +1,4 @@
-"""`python -m tpedu`: the command line (tpedu/cli)."""
+"""Course infrastructure: `python -m tpedu`, the command line (tpedu/cli)."""
 
 import sys
 

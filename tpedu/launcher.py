@@ -1,4 +1,5 @@
-"""Run one function on N ranks: from a notebook, a test, the CLI, or under torchrun.
+"""Course infrastructure: run one function on N ranks: from a notebook, a test, the CLI, or under
+torchrun.
 
     results = launch(worker, 2, x)      # worker(x) runs on ranks 0 and 1; results[r] is rank r's return
 
@@ -158,8 +159,16 @@ def run(
     rank's own result (other processes hold the rest). Timeouts as in `launch`.
     """
     if not under_torchrun():
-        return launch(fn, world_size, *args, backend=backend, timeout=timeout, stream=stream,
-                      collective_timeout=collective_timeout, **kwargs)  # fmt: skip
+        return launch(
+            fn,
+            world_size,
+            *args,
+            backend=backend,
+            timeout=timeout,
+            stream=stream,
+            collective_timeout=collective_timeout,
+            **kwargs,
+        )
     init_from_env(backend, _collective_timeout(timeout, collective_timeout))
     try:
         return [fn(*args, **kwargs)]
@@ -204,8 +213,17 @@ def launch(
     # gradient; importing it once here saves every forked rank from paying for it again.
     importlib.import_module("torch.fx.experimental.symbolic_shapes")
 
-    job = _Job(fn, args, kwargs, world_size, backend or default_backend(world_size), timeout,
-               threads, stream, _collective_timeout(timeout, collective_timeout))  # fmt: skip
+    job = _Job(
+        fn,
+        args,
+        kwargs,
+        world_size,
+        backend or default_backend(world_size),
+        timeout,
+        threads,
+        stream,
+        _collective_timeout(timeout, collective_timeout),
+    )
     for _ in range(3):
         try:
             return _launch_once(job, show_stderr)

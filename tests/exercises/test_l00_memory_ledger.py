@@ -58,11 +58,17 @@ def check_count(m, rng, **fixed):
         kw = {k: v for k, v in cfg.items() if k not in ("n_layers", "hidden", "vocab", "seq_len")}
         real = numel(
             real_gpt(
-                cfg["n_layers"], cfg["hidden"], cfg["vocab"], cfg["seq_len"],
-                ffn=kw.get("ffn_hidden"), heads=kw.get("heads", 1), kv_heads=kw.get("kv_heads"),
-                tied=kw.get("tied_embeddings", True), bias=kw.get("bias", True),
+                cfg["n_layers"],
+                cfg["hidden"],
+                cfg["vocab"],
+                cfg["seq_len"],
+                ffn=kw.get("ffn_hidden"),
+                heads=kw.get("heads", 1),
+                kv_heads=kw.get("kv_heads"),
+                tied=kw.get("tied_embeddings", True),
+                bias=kw.get("bias", True),
             )
-        )  # fmt: skip
+        )
         got = m.gpt_params(**cfg)
         assert isinstance(got, int), f"gpt_params must return an int, got {type(got).__name__}"
         assert got == real, (

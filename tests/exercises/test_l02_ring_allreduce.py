@@ -45,8 +45,10 @@ def _reduce_scatter_worker() -> list[str]:
         got = chunks[rank].cpu()
         if got.shape != want.shape or not torch.equal(got, want):
             diff = (got - want).abs().max().item() if got.shape == want.shape else float("nan")
-            bad.append(f"n={n}: chunks[{rank}] is not the sum over ranks of chunk {rank}: "
-                       f"max |difference| = {diff:.3e}")  # fmt: skip
+            bad.append(
+                f"n={n}: chunks[{rank}] is not the sum over ranks of chunk {rank}: "
+                f"max |difference| = {diff:.3e}"
+            )
     return bad
 
 
@@ -61,8 +63,9 @@ def _all_gather_worker() -> list[str]:
     n = 11
     sizes = [c.numel() for c in torch.empty(n).tensor_split(t)]
     # Only our own chunk is set; the rest is NaN, so a chunk never received shows up.
-    chunks = [torch.full((k,), float("nan"), dtype=torch.float64, device=tpedu.device())
-              for k in sizes]  # fmt: skip
+    chunks = [
+        torch.full((k,), float("nan"), dtype=torch.float64, device=tpedu.device()) for k in sizes
+    ]
     chunks[rank].copy_(data(rank, (n,)).tensor_split(t)[rank])
     m.ring_all_gather(chunks)
     want = torch.cat([data(r, (n,)).tensor_split(t)[r] for r in range(t)])
@@ -70,8 +73,10 @@ def _all_gather_worker() -> list[str]:
     if torch.equal(got, want):
         return []
     wrong = [r for r in range(t) if not torch.equal(chunks[r].cpu(), want.tensor_split(t)[r])]
-    return [f"chunks {wrong} differ from the owning ranks' chunks: "
-            f"max |difference| = {(got - want).abs().nan_to_num(float('inf')).max().item():.3e}"]  # fmt: skip
+    return [
+        f"chunks {wrong} differ from the owning ranks' chunks: "
+        f"max |difference| = {(got - want).abs().nan_to_num(float('inf')).max().item():.3e}"
+    ]
 
 
 def test_ring_all_gather() -> None:
@@ -95,8 +100,10 @@ def _all_reduce_worker() -> list[str]:
             tol = torch.zeros_like(scale) if integer else 2 * (t - 1) * EPS * scale
             diff = (x - ref).abs()
             if not (diff <= tol).all():  # NaN fails too
-                bad.append(f"shape {shape}, integer={integer}: max |ring - dist.all_reduce| = "
-                           f"{diff.max().item():.3e}")  # fmt: skip
+                bad.append(
+                    f"shape {shape}, integer={integer}: max |ring - dist.all_reduce| = "
+                    f"{diff.max().item():.3e}"
+                )
     xt = data(rank, (6, 5)).to(tpedu.device()).t()  # not contiguous
     ref = xt.clone()
     dist.all_reduce(ref)
@@ -120,9 +127,11 @@ def _subgroup_worker() -> list[str]:
     want = data(members[0], (4, 3)) + data(members[1], (4, 3))
     if torch.equal(x.cpu(), want):
         return []
-    return [f"on group {members}: max |ring - sum over the group| = "
-            f"{(x.cpu() - want).abs().max().item():.3e} (did you send to group-local ranks? "
-            "send/recv need dist.get_global_rank(group, r))"]  # fmt: skip
+    return [
+        f"on group {members}: max |ring - sum over the group| = "
+        f"{(x.cpu() - want).abs().max().item():.3e} (did you send to group-local ranks? "
+        "send/recv need dist.get_global_rank(group, r))"
+    ]
 
 
 def test_ring_all_reduce_on_subgroup() -> None:

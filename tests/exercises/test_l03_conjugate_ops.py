@@ -122,8 +122,13 @@ def _reuse_worker() -> list[str]:
     w = ints(400).requires_grad_()  # a shared leaf, reused every step (like a weight)
     for step in range(3):
         # f used twice per step on the same tensor, plus a replicated residual path.
-        loss = sum((m.CopyToTPRegion.apply(w, None) * ints(500 + 10 * step + k) * (r + 1)).sum()
-                   for k in range(2)) + w.sum()  # fmt: skip
+        loss = (
+            sum(
+                (m.CopyToTPRegion.apply(w, None) * ints(500 + 10 * step + k) * (r + 1)).sum()
+                for k in range(2)
+            )
+            + w.sum()
+        )
         loss.backward()
     ranks = sum(q + 1 for q in range(t))
     want = sum(ints(500 + 10 * s + k) * ranks for s in range(3) for k in range(2)) + 3

@@ -107,8 +107,9 @@ def _column_gather_worker() -> list[str]:
     r, t = dist.get_rank(), dist.get_world_size()
     lin, x, bad = dense(N_IN, N_OUT, 5), randn(6, (*BATCH, N_IN)), []
     with torch.no_grad(), CommTracer() as tr:
-        y = m.column_parallel_linear(x, _col(r, t, lin.weight, 0), _col(r, t, lin.bias, 0),
-                                     gather_output=True)  # fmt: skip
+        y = m.column_parallel_linear(
+            x, _col(r, t, lin.weight, 0), _col(r, t, lin.bias, 0), gather_output=True
+        )
     _cmp(bad, "gathered output", y, lin(x).detach())
     if _calls(tr) != [("all_gather", "forward", x.shape[0] * x.shape[1] * N_OUT)]:
         bad.append(f"gather_output must run 1 all-gather of the output, ran {_calls(tr)}")

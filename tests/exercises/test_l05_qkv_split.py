@@ -17,15 +17,22 @@ NAME = "l05_qkv_split"
 
 def _labelled(nq: int, nkv: int, d: int, hidden: int = 5) -> torch.Tensor:
     """Fused weight whose column 0 is the row number (so a wrong row is visible), rest random."""
-    w = torch.randn((nq + 2 * nkv) * d, hidden, generator=torch.Generator().manual_seed(nq * d),
-                    dtype=torch.float64)  # fmt: skip
+    w = torch.randn(
+        (nq + 2 * nkv) * d,
+        hidden,
+        generator=torch.Generator().manual_seed(nq * d),
+        dtype=torch.float64,
+    )
     w[:, 0] = torch.arange(w.shape[0], dtype=torch.float64)
     return w
 
 
 def _expected(w: torch.Tensor, nq: int, nkv: int, tp: int, rank: int) -> torch.Tensor:
     d = w.shape[0] // (nq + 2 * nkv)
-    q, k, v = (b.reshape(n, d, *w.shape[1:]) for b, n in zip(w.split([nq * d, nkv * d, nkv * d]), (nq, nkv, nkv), strict=True))  # fmt: skip
+    q, k, v = (
+        b.reshape(n, d, *w.shape[1:])
+        for b, n in zip(w.split([nq * d, nkv * d, nkv * d]), (nq, nkv, nkv), strict=True)
+    )
     q = q.chunk(tp)[rank]
     if tp <= nkv:
         k, v = k.chunk(tp)[rank], v.chunk(tp)[rank]
@@ -42,7 +49,9 @@ def _check_split(nq: int, nkv: int, d: int, tps: tuple[int, ...]) -> None:
         for rank in range(tp):
             got = m.split_qkv(w, nq, nkv, tp, rank)
             want = _expected(w, nq, nkv, tp, rank)
-            assert got.shape == want.shape, f"tp={tp} rank={rank}: shape {tuple(got.shape)}, expected {tuple(want.shape)}"  # fmt: skip
+            assert got.shape == want.shape, (
+                f"tp={tp} rank={rank}: shape {tuple(got.shape)}, expected {tuple(want.shape)}"
+            )
             assert torch.equal(got, want), (
                 f"tp={tp} rank={rank}: rows {got[:, 0].long().tolist()}, "
                 f"expected {want[:, 0].long().tolist()}"
@@ -57,7 +66,11 @@ def test_local_heads():
     assert m.local_heads(8, 4, 2, 1) == ([4, 5, 6, 7], [2, 3])
     assert m.local_heads(12, 4, 4, 2) == ([6, 7, 8], [2])
     assert [m.local_heads(8, 2, 4, r)[1] for r in range(4)] == [[0], [0], [1], [1]]
-    assert [m.local_heads(6, 1, 3, r) for r in range(3)] == [([0, 1], [0]), ([2, 3], [0]), ([4, 5], [0])]  # fmt: skip
+    assert [m.local_heads(6, 1, 3, r) for r in range(3)] == [
+        ([0, 1], [0]),
+        ([2, 3], [0]),
+        ([4, 5], [0]),
+    ]
 
 
 def test_split_mha():
@@ -92,7 +105,9 @@ def test_tp_attention_equals_dense(nq, nkv, tp):
         q = q.view(2, 5, nq_r, d).transpose(1, 2)
         k = k.view(2, 5, nkv_r, d).transpose(1, 2).repeat_interleave(nq_r // nkv_r, dim=1)
         v = v.view(2, 5, nkv_r, d).transpose(1, 2).repeat_interleave(nq_r // nkv_r, dim=1)
-        s = (q @ k.transpose(-2, -1) / d**0.5).masked_fill(torch.ones(5, 5).triu(1).bool(), -torch.inf)  # fmt: skip
+        s = (q @ k.transpose(-2, -1) / d**0.5).masked_fill(
+            torch.ones(5, 5).triu(1).bool(), -torch.inf
+        )
         o = (s.softmax(-1) @ v).transpose(1, 2).reshape(2, 5, nq_r * d)
         total = total + o @ dense.out.weight.detach()[:, rank * nq_r * d : (rank + 1) * nq_r * d].T
     diff = (total + dense.out.bias.detach() - dense(x).detach()).abs().max().item()

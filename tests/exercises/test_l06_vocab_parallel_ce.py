@@ -36,8 +36,9 @@ def _worker(logits, target, vocab, ignore_index):
     shard = padded[..., r * n : (r + 1) * n].contiguous()
     with CommTracer() as tr:
         loss = m.vocab_parallel_cross_entropy(shard, target, vocab, None, ignore_index)
-    dense = F.cross_entropy(logits.flatten(0, -2), target.flatten(), reduction="none",
-                            ignore_index=ignore_index).view(target.shape)  # fmt: skip
+    dense = F.cross_entropy(
+        logits.flatten(0, -2), target.flatten(), reduction="none", ignore_index=ignore_index
+    ).view(target.shape)
     return {
         "diff": (loss.detach() - dense).abs().max().item(),
         "shape": tuple(loss.shape),
@@ -97,8 +98,9 @@ def _group_worker(data, vocab):
     logits, target = (a.to(tpedu.device()) for a in data[rank % 2])  # this group's batch
     n = -(-vocab // t)
     padded = torch.cat([logits, logits.new_full((*logits.shape[:-1], n * t - vocab), 1e4)], -1)
-    loss = m.vocab_parallel_cross_entropy(padded[..., r * n : (r + 1) * n].contiguous(), target,
-                                          vocab, group)  # fmt: skip
+    loss = m.vocab_parallel_cross_entropy(
+        padded[..., r * n : (r + 1) * n].contiguous(), target, vocab, group
+    )
     dense = F.cross_entropy(logits.flatten(0, -2), target.flatten(), reduction="none")
     return (loss.detach() - dense.view(target.shape)).abs().max().item()
 

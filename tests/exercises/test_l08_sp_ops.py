@@ -79,8 +79,9 @@ def _gather_worker() -> list[str]:
         calls = [("all_gather", "forward", B * N * t * H)]
         calls += [("reduce_scatter", "backward", B * N * t * H)] if tp_grad else []
         if _calls(trace) != calls:
-            bad.append(f"tensor_parallel_output_grad={tp_grad}: expected {calls}, traced "
-                       f"{_calls(trace)}")  # fmt: skip
+            bad.append(
+                f"tensor_parallel_output_grad={tp_grad}: expected {calls}, traced {_calls(trace)}"
+            )
     return bad
 
 
@@ -131,14 +132,16 @@ def _dim_worker() -> list[str]:
     z = m.reduce_scatter_to_sequence_parallel_region(x, None, -1)
     z.backward(grads[r])
     bad += _diff("reduce_scatter dim=-1", z, sum(partial)[..., own])
-    bad += _diff("reduce_scatter dim=-1 backward (all-gather dim -1)", x.grad,
-                 torch.cat(grads, dim=-1))  # fmt: skip
+    bad += _diff(
+        "reduce_scatter dim=-1 backward (all-gather dim -1)", x.grad, torch.cat(grads, dim=-1)
+    )
     x = partial[0].clone().requires_grad_()
     w = m.scatter_to_sequence_parallel_region(x, None, -1)
     w.backward(grads[r])
     bad += _diff("scatter dim=-1", w, partial[0][..., own])
-    return bad + _diff("scatter dim=-1 backward (all-gather dim -1)", x.grad,
-                       torch.cat(grads, dim=-1))  # fmt: skip
+    return bad + _diff(
+        "scatter dim=-1 backward (all-gather dim -1)", x.grad, torch.cat(grads, dim=-1)
+    )
 
 
 def test_any_sequence_dimension() -> None:
@@ -153,8 +156,11 @@ def _group_worker() -> list[str]:
     n = 4 * N // t  # s = 4N divides by 4 too: a learner who ignores group gets wrong values
     own = slice(r * n, (r + 1) * n)
     x = ints(0, (B, n * t, H))  # the same on every rank
-    bad = _diff("scatter (own chunk by group rank)",
-                m.scatter_to_sequence_parallel_region(x, group), x[:, own])  # fmt: skip
+    bad = _diff(
+        "scatter (own chunk by group rank)",
+        m.scatter_to_sequence_parallel_region(x, group),
+        x[:, own],
+    )
     shards = {q: ints(90 + q, (B, n, H)) for q in members}
     grads = {q: ints(100 + q, (B, n * t, H)) for q in members}
     x = shards[rank].clone().requires_grad_()
@@ -162,16 +168,18 @@ def _group_worker() -> list[str]:
     bad += _diff("gather over the group", y, torch.cat([shards[q] for q in members], dim=1))
     if y.shape == grads[rank].shape:  # else backward() would raise before any message
         y.backward(grads[rank])
-        bad += _diff("gather backward (reduce-scatter over the group)", x.grad,
-                     sum(grads.values())[:, own])  # fmt: skip
+        bad += _diff(
+            "gather backward (reduce-scatter over the group)", x.grad, sum(grads.values())[:, own]
+        )
     partial = {q: ints(110 + q, (B, n * t, H)) for q in members}
     z = m.reduce_scatter_to_sequence_parallel_region(partial[rank], group)
     bad += _diff("reduce_scatter over the group", z, sum(partial.values())[:, own])
     p = torch.nn.Parameter(torch.zeros(5, dtype=torch.float64))
     p.grad = ints(120 + rank, (5,))
     m.allreduce_sequence_parallel_grads([p], group)
-    return bad + _diff("gradient all-reduce over the group", p.grad,
-                       sum(ints(120 + q, (5,)) for q in members))  # fmt: skip
+    return bad + _diff(
+        "gradient all-reduce over the group", p.grad, sum(ints(120 + q, (5,)) for q in members)
+    )
 
 
 def test_group_argument() -> None:

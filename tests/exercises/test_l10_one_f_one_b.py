@@ -23,15 +23,33 @@ NAME = "l10_one_f_one_b"
 
 def test_matches_the_worked_example():
     got = implementation(NAME).one_f_one_b(6, 4, 1)
-    want = [("F", 0), ("F", 1), ("F", 2), ("B", 0), ("F", 3), ("B", 1), ("F", 4), ("B", 2),
-            ("F", 5), ("B", 3), ("B", 4), ("B", 5)]  # fmt: skip
+    want = [
+        ("F", 0),
+        ("F", 1),
+        ("F", 2),
+        ("B", 0),
+        ("F", 3),
+        ("B", 1),
+        ("F", 4),
+        ("B", 2),
+        ("F", 5),
+        ("B", 3),
+        ("B", 4),
+        ("B", 5),
+    ]
     assert [tuple(a) for a in got] == want
 
 
 def test_last_stage_alternates_and_first_stage_warms_up():
     f = implementation(NAME).one_f_one_b
-    assert [tuple(a) for a in f(3, 3, 2)] == [("F", 0), ("B", 0), ("F", 1), ("B", 1),
-                                              ("F", 2), ("B", 2)]  # fmt: skip
+    assert [tuple(a) for a in f(3, 3, 2)] == [
+        ("F", 0),
+        ("B", 0),
+        ("F", 1),
+        ("B", 1),
+        ("F", 2),
+        ("B", 2),
+    ]
     assert [tuple(a) for a in f(5, 3, 0)][:3] == [("F", 0), ("F", 1), ("F", 2)]
     # fewer micro-batches than stages: the warm-up is cut to m, then all backwards
     assert [tuple(a) for a in f(2, 5, 0)] == [("F", 0), ("F", 1), ("B", 0), ("B", 1)]
@@ -75,8 +93,15 @@ def test_runs_a_real_pipeline_with_dense_gradients():
         ]
         x, y = ids.to(tpedu.device()), tgt.to(tpedu.device())
         acts = implementation(NAME).one_f_one_b(3, 3, mesh.pp_rank)
-        run_schedule(chunks, acts, Pipe.from_mesh(mesh), list(x.chunk(3)), list(y.chunk(3)),
-                     (2, 5, 8), torch.float64)  # fmt: skip
+        run_schedule(
+            chunks,
+            acts,
+            Pipe.from_mesh(mesh),
+            list(x.chunk(3)),
+            list(y.chunk(3)),
+            (2, 5, 8),
+            torch.float64,
+        )
         sync_tied_grads(chunks, mesh.emb_group)
         return chunks[0].gather_state_dict(grads=True)
 

@@ -14,8 +14,12 @@ NAME = "l12_groups"
 
 def test_worked_example():
     g = implementation(NAME).rank_groups(2, 2, 1)
-    assert g == {"tp": [[0, 1], [2, 3]], "pp": [[0, 2], [1, 3]], "dp": [[0], [1], [2], [3]],
-                 "emb": [[0, 2], [1, 3]]}  # fmt: skip
+    assert g == {
+        "tp": [[0, 1], [2, 3]],
+        "pp": [[0, 2], [1, 3]],
+        "dp": [[0], [1], [2], [3]],
+        "emb": [[0, 2], [1, 3]],
+    }
 
 
 def test_2x2x2_by_hand():

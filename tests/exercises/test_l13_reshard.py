@@ -44,8 +44,9 @@ def test_merge_row():
         _same(m.merge_row(list(w.chunk(tp, dim=1))), w, f"row weight tp={tp}")
 
 
-@pytest.mark.parametrize("nq, nkv, tp", [(4, 4, 2), (6, 3, 3), (8, 2, 2), (4, 2, 4), (6, 1, 3),
-                                         (4, 1, 1)])  # fmt: skip
+@pytest.mark.parametrize(
+    "nq, nkv, tp", [(4, 4, 2), (6, 3, 3), (8, 2, 2), (4, 2, 4), (6, 1, 3), (4, 1, 1)]
+)
 def test_merge_qkv(nq, nkv, tp):
     """MHA, GQA split over ranks, and GQA replicated (tp > nkv); weight and bias."""
     m = implementation(NAME)
@@ -54,8 +55,11 @@ def test_merge_qkv(nq, nkv, tp):
     shards = [split_qkv(w, nq, nkv, tp, r) for r in range(tp)]
     _same(m.merge_qkv(shards, nq, nkv), w, f"qkv weight nq={nq} nkv={nkv} tp={tp}")
     b = _w((nq + 2 * nkv) * d, seed=nq)
-    _same(m.merge_qkv([split_qkv(b, nq, nkv, tp, r) for r in range(tp)], nq, nkv), b,
-          f"qkv bias nq={nq} nkv={nkv} tp={tp}")  # fmt: skip
+    _same(
+        m.merge_qkv([split_qkv(b, nq, nkv, tp, r) for r in range(tp)], nq, nkv),
+        b,
+        f"qkv bias nq={nq} nkv={nkv} tp={tp}",
+    )
 
 
 def test_reshard_column_and_row():

@@ -106,8 +106,16 @@ def test_tp_groups():
 
 def test_one_f_one_b_runs_without_deadlock():
     m = implementation(NAME)
-    assert m.one_f_one_b(4, 2, 0) == [("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1),
-                                      ("F", 3), ("B", 2), ("B", 3)]  # fmt: skip
+    assert m.one_f_one_b(4, 2, 0) == [
+        ("F", 0),
+        ("F", 1),
+        ("B", 0),
+        ("F", 2),
+        ("B", 1),
+        ("F", 3),
+        ("B", 2),
+        ("B", 3),
+    ]
     assert m.one_f_one_b(3, 2, 1) == [("F", 0), ("B", 0), ("F", 1), ("B", 1), ("F", 2), ("B", 2)]
     assert m.one_f_one_b(2, 4, 0) == [("F", 0), ("F", 1), ("B", 0), ("B", 1)]
     for p, mb in ((2, 2), (3, 5), (4, 6)):

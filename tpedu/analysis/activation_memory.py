@@ -58,8 +58,15 @@ from tpedu.tp.sharding import divisors
 # torch.utils.checkpoint imports torch._dynamo on its first call: seconds. Importing it here, in
 # the parent process, lets every rank forked by tpedu.launch inherit it instead of paying again.
 
-CATEGORIES = ("norms", "attention", "mlp", "block input", "dropout masks", "norm statistics",
-              "causal mask")  # fmt: skip
+CATEGORIES = (
+    "norms",
+    "attention",
+    "mlp",
+    "block input",
+    "dropout masks",
+    "norm statistics",
+    "causal mask",
+)
 
 
 @dataclass(frozen=True)
@@ -160,8 +167,10 @@ class SavedTensorCounter:
         lines = [f"{'module':<14} {'category':<16} {'shape':<22} {'dtype':<9} {'bytes':>10}"]
         for r in self.records:
             dtype = str(r.dtype).removeprefix("torch.")
-            lines.append(f"{r.module or '(block)':<14} {r.category:<16} {str(list(r.shape)):<22} "
-                         f"{dtype:<9} {r.nbytes:>10,}")  # fmt: skip
+            lines.append(
+                f"{r.module or '(block)':<14} {r.category:<16} {str(list(r.shape)):<22} "
+                f"{dtype:<9} {r.nbytes:>10,}"
+            )
         return "\n".join(lines)
 
 
@@ -216,8 +225,10 @@ class LayerCase:
                 f"(valid t: {', '.join(str(d) for d in divisors(a))})"
             )
         if self.shape.ffn != 4 * h or self.shape.kv_heads != a:
-            raise ValueError(f"the paper's layer has ffn_hidden = 4·hidden and no GQA; got "
-                             f"ffn {self.shape.ffn}, {self.shape.kv_heads} KV heads")  # fmt: skip
+            raise ValueError(
+                f"the paper's layer has ffn_hidden = 4·hidden and no GQA; got "
+                f"ffn {self.shape.ffn}, {self.shape.kv_heads} KV heads"
+            )
         if self.sp and s % t:
             raise ValueError(f"sequence parallelism needs t | s; s = {s}, t = {t}")
 
@@ -304,8 +315,9 @@ class LayerMeasurement:
 
     def expected(self) -> dict[str, float]:
         """paper_terms + known_extras by category, with the measured element sizes."""
-        extras = known_extras(self.case, self.itemsize("dropout masks", 2),
-                              self.itemsize("norm statistics", 4))  # fmt: skip
+        extras = known_extras(
+            self.case, self.itemsize("dropout masks", 2), self.itemsize("norm statistics", 4)
+        )
         out = dict(paper_terms(self.case))
         for k, v in extras.items():
             out[k] = out.get(k, 0.0) + v
@@ -315,9 +327,17 @@ class LayerMeasurement:
 def layer_config(case: LayerCase, dropout: float = 0.1) -> GPTConfig:
     """A gpt2-like one-layer config with the case's h, a, s (the architecture of the paper)."""
     c = case.shape
-    return GPTConfig.gpt2_like(64, seq_len=c.seq_len, n_layers=1, hidden=c.hidden,
-                               n_heads=c.n_heads, dropout=dropout, sequence_parallel=case.sp,
-                               recompute=case.recompute, activation="gelu_tanh")  # fmt: skip
+    return GPTConfig.gpt2_like(
+        64,
+        seq_len=c.seq_len,
+        n_layers=1,
+        hidden=c.hidden,
+        n_heads=c.n_heads,
+        dropout=dropout,
+        sequence_parallel=case.sp,
+        recompute=case.recompute,
+        activation="gelu_tanh",
+    )
 
 
 def measure_layer(
@@ -360,15 +380,18 @@ def measure_rows(
 
 def ledger_table(measurements: list[LayerMeasurement]) -> str:
     """Paper formula, tpedu's known extras and the measurement per row (deterministic text)."""
-    head = (f"{'row':<34} {'formula':>11} {'+ extras':>10} {'= expected':>11} "
-            f"{'measured':>11} {'':>2}")  # fmt: skip
+    head = (
+        f"{'row':<34} {'formula':>11} {'+ extras':>10} {'= expected':>11} {'measured':>11} {'':>2}"
+    )
     lines = [head, "-" * len(head)]
     for m in measurements:
         formula = formula_bytes(m.case)
         expected = sum(m.expected().values())
         ok = "✓" if m.total == expected else "✗"
-        lines.append(f"{m.case.label():<34} {formula:>11,.0f} {expected - formula:>10,.0f} "
-                     f"{expected:>11,.0f} {m.total:>11,} {ok:>2}")  # fmt: skip
+        lines.append(
+            f"{m.case.label():<34} {formula:>11,.0f} {expected - formula:>10,.0f} "
+            f"{expected:>11,.0f} {m.total:>11,} {ok:>2}"
+        )
     return "\n".join(lines)
 
 
@@ -433,18 +456,21 @@ def _measure_for_calculator(config: ModelShape, settings: dict) -> tuple[str, fl
     extras = known_extras(big, m.itemsize("dropout masks", 2), m.itemsize("norm statistics", 4))
     big_extra = sum(extras.values())
     ok = "✓" if m.total == expected else "✗"
-    text = "\n".join([
-        f"measured one tiny layer (s={TINY.seq_len}, b={TINY.micro_batch}, h={TINY.hidden}, "
-        f"a={TINY.n_heads}; "
-        f"{tiny.label()}), bf16, on {t} rank(s):",
-        f"  formula {formula_bytes(tiny):,.0f} B + tpedu extras {expected - formula_bytes(tiny):,.0f} B"
-        f" = {expected:,.0f} B; measured {m.total:,} B {ok}",
-        f"at your shape (s={config.seq_len}, b={config.micro_batch}, h={config.hidden}, "
-        f"a={config.n_heads}), per layer and rank:",
-        f"  formula {big_formula / 1e9:.3f} GB; tpedu would save {(big_formula + big_extra) / 1e9:.3f} GB"
-        f" (+{100 * big_extra / big_formula:.1f}%: "
-        + ", ".join(f"{k} {v / 1e9:.3f} GB" for k, v in extras.items()) + ")",
-    ])  # fmt: skip
+    text = "\n".join(
+        [
+            f"measured one tiny layer (s={TINY.seq_len}, b={TINY.micro_batch}, h={TINY.hidden}, "
+            f"a={TINY.n_heads}; "
+            f"{tiny.label()}), bf16, on {t} rank(s):",
+            f"  formula {formula_bytes(tiny):,.0f} B + tpedu extras {expected - formula_bytes(tiny):,.0f} B"
+            f" = {expected:,.0f} B; measured {m.total:,} B {ok}",
+            f"at your shape (s={config.seq_len}, b={config.micro_batch}, h={config.hidden}, "
+            f"a={config.n_heads}), per layer and rank:",
+            f"  formula {big_formula / 1e9:.3f} GB; tpedu would save {(big_formula + big_extra) / 1e9:.3f} GB"
+            f" (+{100 * big_extra / big_formula:.1f}%: "
+            + ", ".join(f"{k} {v / 1e9:.3f} GB" for k, v in extras.items())
+            + ")",
+        ]
+    )
     return text, big_formula, big_formula + big_extra
 
 

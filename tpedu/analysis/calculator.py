@@ -1,4 +1,4 @@
-"""Lesson 00 (used again in lesson 09): an interactive memory calculator, widgets wired to
+"""Lesson 00: an interactive memory calculator (used again in lessons 09, 12), widgets wired to
 tpedu.analysis.memory.ledger and nothing more.
 
     from tpedu.analysis.calculator import memory_calculator
@@ -73,17 +73,30 @@ class MemoryCalculator:
             description="hidden",
             style=style,
         )
-        self.heads = w.Dropdown(options=[8, 16, 32, 64, 96, 128], value=32, description="heads", style=style)  # fmt: skip
-        self.vocab = w.BoundedIntText(value=50_000, min=1, max=10**6, description="vocab", style=style)  # fmt: skip
-        self.seq = w.Dropdown(options=[512, 1024, 2048, 4096, 8192, 32768], value=2048, description="seq len", style=style)  # fmt: skip
+        self.heads = w.Dropdown(
+            options=[8, 16, 32, 64, 96, 128], value=32, description="heads", style=style
+        )
+        self.vocab = w.BoundedIntText(
+            value=50_000, min=1, max=10**6, description="vocab", style=style
+        )
+        self.seq = w.Dropdown(
+            options=[512, 1024, 2048, 4096, 8192, 32768],
+            value=2048,
+            description="seq len",
+            style=style,
+        )
         self.batch = w.IntSlider(value=4, min=1, max=32, description="micro-batch", style=style)
         self.tp = w.Dropdown(options=SIZES, value=1, description="tp", style=style)
         self.pp = w.Dropdown(options=SIZES, value=1, description="pp", style=style)
         self.dp = w.Dropdown(options=SIZES, value=1, description="dp", style=style)
         self.sp = w.Checkbox(value=False, description="sequence parallel")
         self.zero1 = w.Checkbox(value=False, description="ZeRO-1 (optimizer / dp)")
-        self.recompute = w.Dropdown(options=RECOMPUTE, value="none", description="recompute", style=style)  # fmt: skip
-        self.gpu_gb = w.BoundedFloatText(value=80, min=1, max=1000, description="GPU GB", style=style)  # fmt: skip
+        self.recompute = w.Dropdown(
+            options=RECOMPUTE, value="none", description="recompute", style=style
+        )
+        self.gpu_gb = w.BoundedFloatText(
+            value=80, min=1, max=1000, description="GPU GB", style=style
+        )
         self.info = w.HTML()
         self.out = w.Output()
         self.measured = w.Output()
@@ -173,8 +186,16 @@ class MemoryCalculator:
         fig, ax = plt.subplots(figsize=(4.5, 3.6))
         plot_ledgers([current], [current.label], self.gpu_gb.value, ax)
         static = (current.weights + current.gradients + current.optimizer) / GB
-        ax.bar(0, measured_activations / GB, bottom=static, width=0.6, fill=False, hatch="//",
-               edgecolor="black", label="activations, measured")  # fmt: skip
+        ax.bar(
+            0,
+            measured_activations / GB,
+            bottom=static,
+            width=0.6,
+            fill=False,
+            hatch="//",
+            edgecolor="black",
+            label="activations, measured",
+        )
         ax.legend(fontsize=8, loc="upper right")
         plt.show()
         plt.close(fig)

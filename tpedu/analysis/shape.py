@@ -1,4 +1,4 @@
-"""Lesson 00 (used again in lessons 09, 12 and 14): `ModelShape`, the one description of a GPT's
+"""Lesson 00: `ModelShape` (used again in lessons 09, 12 and 14), the one description of a GPT's
 shape that every analysis in tpedu.analysis takes, with its parameter counts and FLOPs per token.
 
 Its field names are tpedu.model.config.GPTConfig's wherever they mean the same thing:
@@ -114,18 +114,31 @@ class ModelShape:
         `overrides` set other fields (micro_batch, ...). Other architectures raise: n_params and
         the FLOP counts here are those of the GPT-2-style block."""
         c = config
-        odd = [f"{name}={value!r}" for name, value, ok in (
-            ("norm", c.norm, c.norm == "layernorm"),
-            ("position", c.position, c.position == "learned"),
-            ("activation", c.activation, c.activation != "swiglu"),
-        ) if not ok]  # fmt: skip
+        odd = [
+            f"{name}={value!r}"
+            for name, value, ok in (
+                ("norm", c.norm, c.norm == "layernorm"),
+                ("position", c.position, c.position == "learned"),
+                ("activation", c.activation, c.activation != "swiglu"),
+            )
+            if not ok
+        ]
         if odd:
-            raise ValueError(f"ModelShape counts GPT-2-style blocks (LayerNorm, learned positions, "
-                             f"a two-matrix MLP); this config has {', '.join(odd)}")  # fmt: skip
-        fields = {"vocab_size": c.vocab_size, "seq_len": c.seq_len, "n_layers": c.n_layers,
-                  "hidden": c.hidden, "n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads,
-                  "ffn_hidden": c.ffn_hidden, "bias": c.bias,
-                  "tie_embeddings": c.tie_embeddings}  # fmt: skip
+            raise ValueError(
+                f"ModelShape counts GPT-2-style blocks (LayerNorm, learned positions, "
+                f"a two-matrix MLP); this config has {', '.join(odd)}"
+            )
+        fields = {
+            "vocab_size": c.vocab_size,
+            "seq_len": c.seq_len,
+            "n_layers": c.n_layers,
+            "hidden": c.hidden,
+            "n_heads": c.n_heads,
+            "n_kv_heads": c.n_kv_heads,
+            "ffn_hidden": c.ffn_hidden,
+            "bias": c.bias,
+            "tie_embeddings": c.tie_embeddings,
+        }
         return cls(**{**fields, **overrides})
 
     @property
@@ -149,9 +162,16 @@ class ModelShape:
     def n_params(self) -> int:
         """Exact parameter count (see gpt_params)."""
         return gpt_params(
-            self.n_layers, self.hidden, self.vocab_size, self.seq_len, self.ffn_hidden,
-            self.n_heads, self.n_kv_heads, self.tie_embeddings, self.bias,
-        )  # fmt: skip
+            self.n_layers,
+            self.hidden,
+            self.vocab_size,
+            self.seq_len,
+            self.ffn_hidden,
+            self.n_heads,
+            self.n_kv_heads,
+            self.tie_embeddings,
+            self.bias,
+        )
 
     def with_params(self, n_params: float) -> ModelShape:
         """The same shape family scaled to about `n_params`: n_layers = params / (12h² + 13h)."""

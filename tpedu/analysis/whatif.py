@@ -95,10 +95,15 @@ H100_SXM = Hardware("H100 SXM, NVLink 4, 400 Gb/s IB", 989e12, 450 * GB, 50 * GB
 H100_PCIE = Hardware("H100 PCIe 5 (no NVLink), 400 Gb/s", 756e12, 64 * GB, 50 * GB)
 A100_SXM = Hardware("A100 SXM, NVLink 3, 200 Gb/s HDR IB", 312e12, 300 * GB, 25 * GB)
 # Megatron-LM 2019: DGX-2H, 16 V100 on NVSwitch, 8 × 100 Gb/s IB per 16 GPUs.
-V100_DGX2 = Hardware("V100 DGX-2H, NVSwitch, 8x100 Gb/s per node", 125e12, 150 * GB,
-                     6.25 * GB, gpus_per_node=16)  # fmt: skip
-HARDWARE = {"H100 SXM": H100_SXM, "H100 PCIe": H100_PCIE, "A100 SXM": A100_SXM,
-            "V100 DGX-2H": V100_DGX2}  # fmt: skip
+V100_DGX2 = Hardware(
+    "V100 DGX-2H, NVSwitch, 8x100 Gb/s per node", 125e12, 150 * GB, 6.25 * GB, gpus_per_node=16
+)
+HARDWARE = {
+    "H100 SXM": H100_SXM,
+    "H100 PCIe": H100_PCIE,
+    "A100 SXM": A100_SXM,
+    "V100 DGX-2H": V100_DGX2,
+}
 
 
 @dataclass(frozen=True)
@@ -157,12 +162,16 @@ class Prediction:
 
     def row(self) -> str:
         ms = lambda x: f"{1e3 * x:9.1f}"  # noqa: E731
-        return (f"{ms(self.step)} {ms(self.compute)} {ms(self.tp)} {ms(self.bubble)} "
-                f"{ms(self.pp)} {ms(self.dp)} {100 * self.mfu:6.1f}% {self.tokens_per_gpu:10,.0f}")  # fmt: skip
+        return (
+            f"{ms(self.step)} {ms(self.compute)} {ms(self.tp)} {ms(self.bubble)} "
+            f"{ms(self.pp)} {ms(self.dp)} {100 * self.mfu:6.1f}% {self.tokens_per_gpu:10,.0f}"
+        )
 
 
-HEADER = (f"{'step ms':>9} {'compute':>9} {'TP':>9} {'bubble':>9} {'PP p2p':>9} {'DP':>9} "
-          f"{'MFU':>7} {'tok/s/GPU':>10}")  # fmt: skip
+HEADER = (
+    f"{'step ms':>9} {'compute':>9} {'TP':>9} {'bubble':>9} {'PP p2p':>9} {'DP':>9} "
+    f"{'MFU':>7} {'tok/s/GPU':>10}"
+)
 
 
 def predict(
@@ -176,8 +185,10 @@ def predict(
     if model.n_heads % par.tp:
         raise ValueError(f"{model.n_heads} heads are not divisible by tp={par.tp}")
     if model.n_layers % (par.pp * par.chunks):
-        raise ValueError(f"{model.n_layers} layers do not split into pp·chunks = "
-                         f"{par.pp}·{par.chunks} equal stages")  # fmt: skip
+        raise ValueError(
+            f"{model.n_layers} layers do not split into pp·chunks = "
+            f"{par.pp}·{par.chunks} equal stages"
+        )
     m = par.n_micro
     tokens = par.batch * model.seq_len
     model_flops = tokens * model.flops_per_token(recompute=False)
@@ -203,8 +214,9 @@ def predict(
     return Prediction(compute, tp, bubble, pp, dp, model_flops, tokens, par.gpus, hw.peak_flops)
 
 
-def tp_efficiency(model: ModelShape, tp: int, hw: Hardware = H100_SXM, batch: int = 32,
-                  efficiency: float = 0.7) -> float:  # fmt: skip
+def tp_efficiency(
+    model: ModelShape, tp: int, hw: Hardware = H100_SXM, batch: int = 32, efficiency: float = 0.7
+) -> float:
     """Speed-up of tp GPUs over one, divided by tp (the seeds' "80-90% of linear")."""
     one = predict(model, Parallel(batch=batch), hw, efficiency).step
     return one / (tp * predict(model, Parallel(tp=tp, batch=batch), hw, efficiency).step)
@@ -222,8 +234,9 @@ def table(rows: list[tuple[str, Prediction]]) -> str:
 
 # Megatron-LM (Shoeybi et al. 2019), Table 1 / Fig. 1: 1.2B on 1 GPU = 39 TFLOP/s (30% of peak);
 # 8.3B with tp 8 × dp 64 on 512 GPUs: 15.1 PFLOP/s, 76% weak-scaling efficiency.
-MEGATRON_2019_SMALL = ModelShape(n_layers=40, hidden=1536, n_heads=16, vocab_size=51200,
-                                 seq_len=1024)  # fmt: skip
+MEGATRON_2019_SMALL = ModelShape(
+    n_layers=40, hidden=1536, n_heads=16, vocab_size=51200, seq_len=1024
+)
 MEGATRON_2019_8B = ModelShape(n_layers=72, hidden=3072, n_heads=32, vocab_size=51200, seq_len=1024)
 # Narayanan et al. 2021, Table 1: 1T parameters, 3072 A100s, tp 8, pp 64, dp 6, batch 3072,
 # 163 TFLOP/s per GPU = 52% of peak (their FLOPs count the recomputation).
@@ -236,25 +249,35 @@ def published_comparison(efficiency: float = 0.7) -> str:
     lines = []
     # 1. Megatron 2019 weak scaling: calibrate efficiency on the 1-GPU run (30% of peak).
     one = predict(MEGATRON_2019_SMALL, Parallel(batch=8, micro=8), V100_DGX2, efficiency=0.30)
-    big = predict(MEGATRON_2019_8B, Parallel(tp=8, dp=64, batch=512, micro=8), V100_DGX2,
-                  efficiency=0.30)  # fmt: skip
+    big = predict(
+        MEGATRON_2019_8B, Parallel(tp=8, dp=64, batch=512, micro=8), V100_DGX2, efficiency=0.30
+    )
     weak = (big.model_flops / big.step / 512) / (one.model_flops / one.step)
-    lines.append(f"Megatron-LM 2019, 8.3B on 512 V100 (tp 8 x dp 64): weak-scaling efficiency "
-                 f"predicted {100 * weak:.0f}%, published 76%")  # fmt: skip
+    lines.append(
+        f"Megatron-LM 2019, 8.3B on 512 V100 (tp 8 x dp 64): weak-scaling efficiency "
+        f"predicted {100 * weak:.0f}%, published 76%"
+    )
     # 2. Narayanan 2021: 1T on 3072 A100; FLOPs counted with recomputation, as the paper does.
     p = predict(NARAYANAN_1T, NARAYANAN_1T_LAYOUT, A100_SXM, efficiency=efficiency)
     hw_flops = p.model_flops * NARAYANAN_1T.flops_per_token(True) / NARAYANAN_1T.flops_per_token()
     frac = hw_flops / (p.step * p.gpus * p.peak_flops)
-    lines.append(f"Narayanan 2021, 1T on 3072 A100 (tp 8, pp 64, dp 6): {100 * frac:.0f}% of "
-                 f"peak predicted, published 52%")  # fmt: skip
+    lines.append(
+        f"Narayanan 2021, 1T on 3072 A100 (tp 8, pp 64, dp 6): {100 * frac:.0f}% of "
+        f"peak predicted, published 52%"
+    )
     # 3. Ultra-Scale Playbook TP sweep (their model: ~8B Llama-like, seq 4096; an assumption).
-    llama8b = ModelShape(n_layers=32, hidden=4096, n_heads=32, vocab_size=128256, seq_len=4096,
-                         ffn_hidden=14336)  # fmt: skip
-    sweep = {t: predict(llama8b, Parallel(tp=t, batch=32, micro=1), H100_SXM, efficiency)
-             for t in (2, 32)}  # fmt: skip
-    lines.append(f"Ultra-Scale Playbook TP 2 -> 32: tokens/s/GPU drop x"
-                 f"{sweep[2].tokens_per_gpu / sweep[32].tokens_per_gpu:.1f} predicted, "
-                 f"published x{13923 / 2146:.1f} (13,923 -> 2,146)")  # fmt: skip
+    llama8b = ModelShape(
+        n_layers=32, hidden=4096, n_heads=32, vocab_size=128256, seq_len=4096, ffn_hidden=14336
+    )
+    sweep = {
+        t: predict(llama8b, Parallel(tp=t, batch=32, micro=1), H100_SXM, efficiency)
+        for t in (2, 32)
+    }
+    lines.append(
+        f"Ultra-Scale Playbook TP 2 -> 32: tokens/s/GPU drop x"
+        f"{sweep[2].tokens_per_gpu / sweep[32].tokens_per_gpu:.1f} predicted, "
+        f"published x{13923 / 2146:.1f} (13,923 -> 2,146)"
+    )
     return "\n".join(lines)
 
 
@@ -263,8 +286,9 @@ def widget(model: ModelShape | None = None):  # noqa: ANN201 - an ipywidgets box
     import ipywidgets as w
     from IPython.display import display
 
-    model = model or ModelShape(n_layers=32, hidden=4096, n_heads=32, vocab_size=128256,
-                                seq_len=4096, ffn_hidden=14336)  # fmt: skip
+    model = model or ModelShape(
+        n_layers=32, hidden=4096, n_heads=32, vocab_size=128256, seq_len=4096, ffn_hidden=14336
+    )
     pow2 = lambda hi: [2**i for i in range(hi)]  # noqa: E731
     tp = w.SelectionSlider(options=pow2(7), value=8, description="tp")
     pp = w.SelectionSlider(options=pow2(6), value=1, description="pp")

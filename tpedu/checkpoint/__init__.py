@@ -1,4 +1,13 @@
-"""Sharded, reshardable checkpoints and model directories (lesson 13)."""
+"""Lesson 13: sharded, reshardable checkpoints and model directories.
+
+    files    atomic, fsynced writes and whole-directory replacement; CheckpointError
+    sharded  sharded checkpoints: every rank saves what it owns; index, validation, resume
+    convert  model directories (`train --out`, used from lesson 07), resharding, dense and HF export
+    hf       Hugging Face GPT-2 import into the tensor-parallel GPT, and export back
+
+The split and merge rules the checkpoints use live in tpedu.model.state (re-exported here with the
+public names of files, sharded and convert).
+"""
 
 from tpedu.checkpoint.convert import (
     DENSE_FORMAT,

@@ -1,4 +1,13 @@
-"""TODO"""
+"""Lesson 13: between formats: model directories, sharded checkpoints, layouts, Hugging Face.
+
+    write_model_dir / load_model_files   the dense model directory of `train --out` (lesson 07)
+    reshard                              a checkpoint rewritten for another (tp, pp, dp) layout
+    export_dense / import_dense          checkpoint -> dense model directory, and back
+    export_hf                            a GPT-2-shaped checkpoint -> a Hugging Face directory
+
+Resharding merges every tensor to dense and splits it again with the model's own rules
+(tpedu.model.state), one process, the whole model in memory.
+"""
 
 from __future__ import annotations
 
@@ -31,8 +40,13 @@ from tpedu.parallel.pipeline.schedules import stage_layers, stage_of
 from tpedu.train.data import tokenizer
 
 
-def write_model_dir(out: str | Path, config: GPTConfig, state: dict[str, torch.Tensor],
-                    train: dict | None = None, tok: object | None = None) -> Path:  # fmt: skip
+def write_model_dir(
+    out: str | Path,
+    config: GPTConfig,
+    state: dict[str, torch.Tensor],
+    train: dict | None = None,
+    tok: object | None = None,
+) -> Path:
     """Write a dense model directory (config.json, model.safetensors, tokenizer.json) from one
     process, atomically: into a temporary sibling, then `replace_dir`. `out` must be absent or
     a model directory (`check_replaceable`): whatever else is there is never replaced."""
@@ -50,8 +64,6 @@ def write_model_dir(out: str | Path, config: GPTConfig, state: dict[str, torch.T
 def load_model_files(path: str | Path) -> tuple[GPTConfig, dict[str, torch.Tensor], object]:
     """(config, dense state dict, tokenizer) from a directory written by `write_model_dir`, checked
     (format, config, tensor names and shapes) by `checkpoint.read_model_dir`."""
-    from tpedu.checkpoint.convert import read_model_dir
-
     path = Path(path)
     for name in ("config.json", "model.safetensors", "tokenizer.json"):
         if not (path / name).exists():
@@ -77,17 +89,31 @@ def read_dense(
     return config, {k: reader.dense(k, config) for k in index["tensors"]}, index
 
 
-def write_sharded(root: str | Path, config: GPTConfig, tensors: dict[str, torch.Tensor], step: int,
-                  tp: int = 1, pp: int = 1, dp: int = 1, zero1: bool = False,
-                  header: dict | None = None, tok: object | None = None) -> Path:  # fmt: skip
+def write_sharded(
+    root: str | Path,
+    config: GPTConfig,
+    tensors: dict[str, torch.Tensor],
+    step: int,
+    tp: int = 1,
+    pp: int = 1,
+    dp: int = 1,
+    zero1: bool = False,
+    header: dict | None = None,
+    tok: object | None = None,
+) -> Path:
     """Write dense `tensors` (parameters and `exp_avg/<name>`-style optimizer entries, as
     read_dense returns them) as a checkpoint at layout (tp, pp, dp) under `root`, atomically,
     from this one process. Each (tp rank, pp stage) gets one file, written as dp rank 0."""
 
     config.check(tp)
     stages = stage_layers(config, pp)  # raises if pp does not fit the layers
-    layout = {"tp": tp, "pp": pp, "dp": dp, "zero1": zero1,
-              "stages": [[r.start, r.stop] for r in stages]}  # fmt: skip
+    layout = {
+        "tp": tp,
+        "pp": pp,
+        "dp": dp,
+        "zero1": zero1,
+        "stages": [[r.start, r.stop] for r in stages],
+    }
     tmp = _prepare(Path(root), step)
     for p in range(pp):
         for t in range(tp):
@@ -100,14 +126,21 @@ def write_sharded(root: str | Path, config: GPTConfig, tensors: dict[str, torch.
                 out[key], kinds[key] = split_tensor(dense, kind, tp, t, config), kind
             _write_shard(tmp, (t, p, 0), out, kinds)
     head = dict(header or {})
-    head.update({"format": FORMAT, "tpedu_version": tpedu.__version__,
-                 "model": config.to_dict(), "layout": layout})  # fmt: skip
+    head.update(
+        {
+            "format": FORMAT,
+            "tpedu_version": tpedu.__version__,
+            "model": config.to_dict(),
+            "layout": layout,
+        }
+    )
     head.pop("files", None), head.pop("tensors", None)
     return _finalize(Path(root), tmp, step, head, tok)
 
 
-def reshard(src: str | Path, dst: str | Path, tp: int = 1, pp: int = 1, dp: int = 1,
-            zero1: bool = False) -> Path:  # fmt: skip
+def reshard(
+    src: str | Path, dst: str | Path, tp: int = 1, pp: int = 1, dp: int = 1, zero1: bool = False
+) -> Path:
     """Rewrite checkpoint `src` (a step dir or a root) for layout (tp, pp, dp) under `dst`.
 
     Parameters and optimizer state are merged to dense and re-split; step, data position and
@@ -152,11 +185,16 @@ def read_model_dir(model_dir: str | Path) -> tuple[GPTConfig, dict[str, torch.Te
         raise CheckpointError(f"{where} is not valid JSON ({e}); the file is corrupted") from None
     meta = meta if isinstance(meta, dict) else {}
     if meta.get("format") != DENSE_FORMAT:
-        hint = (" It is a Hugging Face config (e.g. from `reshard --to hf`): load it with "
-                "transformers, or convert it with tpedu.checkpoint.hf.config_from_hf and state_from_hf."
-                if "model_type" in meta else "")  # fmt: skip
-        raise CheckpointError(f"{where}: field 'format' is {meta.get('format')!r}, expected "
-                              f"{DENSE_FORMAT!r}: {what}{hint}")  # fmt: skip
+        hint = (
+            " It is a Hugging Face config (e.g. from `reshard --to hf`): load it with "
+            "transformers, or convert it with tpedu.checkpoint.hf.config_from_hf and state_from_hf."
+            if "model_type" in meta
+            else ""
+        )
+        raise CheckpointError(
+            f"{where}: field 'format' is {meta.get('format')!r}, expected "
+            f"{DENSE_FORMAT!r}: {what}{hint}"
+        )
     if not isinstance(meta.get("model"), dict):
         raise CheckpointError(f"{where} has no field 'model' (the GPTConfig); the file is damaged")
     try:
@@ -170,20 +208,30 @@ def read_model_dir(model_dir: str | Path) -> tuple[GPTConfig, dict[str, torch.Te
     except Exception as e:  # noqa: BLE001 - safetensors raises its own error type
         raise CheckpointError(f"{file} cannot be read ({e}); the file is damaged") from None
     shapes = dense_shapes(config)
-    wrong = [f"{k} {list(state[k].shape)} (config.json gives {list(shapes[k])})"
-             for k in sorted(set(state) & set(shapes)) if tuple(state[k].shape) != shapes[k]]  # fmt: skip
-    problems = [f"{len(keys)} {label}: {', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''}"
-                for label, keys in (("missing", sorted(set(shapes) - set(state))),
-                                    ("unexpected", sorted(set(state) - set(shapes))),
-                                    ("with the wrong shape", wrong)) if keys]  # fmt: skip
+    wrong = [
+        f"{k} {list(state[k].shape)} (config.json gives {list(shapes[k])})"
+        for k in sorted(set(state) & set(shapes))
+        if tuple(state[k].shape) != shapes[k]
+    ]
+    problems = [
+        f"{len(keys)} {label}: {', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''}"
+        for label, keys in (
+            ("missing", sorted(set(shapes) - set(state))),
+            ("unexpected", sorted(set(state) - set(shapes))),
+            ("with the wrong shape", wrong),
+        )
+        if keys
+    ]
     if problems:
-        raise CheckpointError(f"{file} does not hold the tensors of the model in config.json: "
-                              f"{'; '.join(problems)}")  # fmt: skip
+        raise CheckpointError(
+            f"{file} does not hold the tensors of the model in config.json: {'; '.join(problems)}"
+        )
     return config, state
 
 
-def import_dense(model_dir: str | Path, dst: str | Path, tp: int = 1, pp: int = 1,
-                 dp: int = 1) -> Path:  # fmt: skip
+def import_dense(
+    model_dir: str | Path, dst: str | Path, tp: int = 1, pp: int = 1, dp: int = 1
+) -> Path:
     """A dense model directory (`train --out`, export_dense) -> a sharded checkpoint at step 0
     without optimizer state (so `train --resume` starts a fresh optimizer from these weights)."""
     config, state = read_model_dir(model_dir)

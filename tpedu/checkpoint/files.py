@@ -1,4 +1,11 @@
-"""TODO"""
+"""Lesson 13: the file layer under checkpoints and model directories: writes that survive a crash.
+
+Every file is written and fsynced before it counts; a directory is written complete under a
+temporary name and then renamed into place (`replace_dir`), the old one kept complete until the
+new one is there, so a crash never leaves half a directory under the final name; `_sha256` gives
+the checksums an index records. `CheckpointError` is the one error a checkpoint that cannot
+be loaded as asked raises, naming the file and the field.
+"""
 
 from __future__ import annotations
 
@@ -70,9 +77,11 @@ def check_replaceable(out: str | Path) -> None:
         return
     if out.is_dir() and ((out / "config.json").exists() or not any(out.iterdir())):
         return
-    raise CheckpointError(f"{out} exists and is not a model directory (no config.json); "
-                          "writing the model there would replace what it holds: choose a new "
-                          "output path")  # fmt: skip
+    raise CheckpointError(
+        f"{out} exists and is not a model directory (no config.json); "
+        "writing the model there would replace what it holds: choose a new "
+        "output path"
+    )
 
 
 def _export_tmp(out: Path) -> Path:

@@ -1,5 +1,5 @@
-"""Hugging Face GPT-2 <-> tpedu: load GPT2LMHeadModel weights into the tensor-parallel GPT, and
-export a trained GPT-2-shaped tpedu model so `transformers` can use it.
+"""Lesson 13: Hugging Face GPT-2 <-> tpedu: load GPT2LMHeadModel weights into the tensor-parallel
+GPT, and export a trained GPT-2-shaped tpedu model so `transformers` can use it.
 
 GPT-2 stores its linear layers as `Conv1D` (y = x·W + b with W [in, out]); tpedu uses nn.Linear
 (W [out, in]), so every matrix is transposed. GPT-2's fused `c_attn` produces [q | k | v] with
@@ -83,8 +83,13 @@ def state_to_hf(state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, 
 
 def check_gpt2_shaped(config: GPTConfig) -> None:
     """Raise a ValueError naming the first setting GPT-2 cannot express."""
-    wanted = {"norm": "layernorm", "position": "learned", "bias": True, "tie_embeddings": True,
-              "n_kv_heads": None}  # fmt: skip
+    wanted = {
+        "norm": "layernorm",
+        "position": "learned",
+        "bias": True,
+        "tie_embeddings": True,
+        "n_kv_heads": None,
+    }
     for key, value in wanted.items():
         if getattr(config, key) != value and not (
             key == "n_kv_heads" and config.kv_heads == config.n_heads

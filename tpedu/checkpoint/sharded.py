@@ -1,4 +1,4 @@
-"""Sharded, reshardable checkpoints (lesson 13): every rank saves only what it owns.
+"""Lesson 13: sharded, reshardable checkpoints: every rank saves only what it owns.
 
 A checkpoint is a directory per step, next to a `latest` pointer:
 
@@ -112,10 +112,15 @@ def _prepare(root: Path, step: int) -> Path:
     return tmp
 
 
-def _write_shard(tmp: Path, coords: tuple[int, int, int], tensors: dict[str, torch.Tensor],
-                 kinds: dict[str, str]) -> None:  # fmt: skip
-    meta = {"tp_rank": str(coords[0]), "pp_rank": str(coords[1]), "dp_rank": str(coords[2]),
-            "kinds": json.dumps(kinds)}  # fmt: skip
+def _write_shard(
+    tmp: Path, coords: tuple[int, int, int], tensors: dict[str, torch.Tensor], kinds: dict[str, str]
+) -> None:
+    meta = {
+        "tp_rank": str(coords[0]),
+        "pp_rank": str(coords[1]),
+        "dp_rank": str(coords[2]),
+        "kinds": json.dumps(kinds),
+    }
     data = safetensors_bytes({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, meta)
     _write_bytes(tmp / shard_file(*coords), data)
 
@@ -134,13 +139,20 @@ def _finalize(root: Path, tmp: Path, step: int, header: dict, tok: object | None
             for key in f.keys():
                 shape = list(f.get_slice(key).get_shape())
                 name = key.split("/", 1)[-1]
-                entry = tensors.setdefault(key, {
-                    "shape": list(shapes[name]) if shape else [], "dtype": "",
-                    "kind": kinds[key], "stage": int(meta["pp_rank"]),  # the rank that wrote it
-                    "shards": []})  # fmt: skip
+                entry = tensors.setdefault(
+                    key,
+                    {
+                        "shape": list(shapes[name]) if shape else [],
+                        "dtype": "",
+                        "kind": kinds[key],
+                        "stage": int(meta["pp_rank"]),  # the rank that wrote it
+                        "shards": [],
+                    },
+                )
                 entry["dtype"] = str(f.get_slice(key).get_dtype())
-                entry["shards"].append({"file": path.name, "tp_rank": int(meta["tp_rank"]),
-                                        "shape": shape})  # fmt: skip
+                entry["shards"].append(
+                    {"file": path.name, "tp_rank": int(meta["tp_rank"]), "shape": shape}
+                )
     tp = header["layout"]["tp"]
     for key, entry in tensors.items():
         entry["shards"].sort(key=lambda s: s["tp_rank"])
@@ -173,42 +185,62 @@ def _agree(error: BaseException | None, what: str) -> None:
     if error is not None:
         raise error
     if failed:
-        raise CheckpointError(f"{what}: a remote worker failed ({int(failed)} rank(s)); "
-                              "see its error")  # fmt: skip
+        raise CheckpointError(
+            f"{what}: a remote worker failed ({int(failed)} rank(s)); see its error"
+        )
 
 
-def _header(config: GPTConfig, layout: dict, step: int, train_cfg: object | None,
-            opt: object | None) -> dict:  # fmt: skip
+def _header(
+    config: GPTConfig, layout: dict, step: int, train_cfg: object | None, opt: object | None
+) -> dict:
     batch = getattr(train_cfg, "batch", None)
     seed = getattr(train_cfg, "seed", None)
     inner, _ = _optimizer_view(opt)
     optim = None
     if inner is not None:
         g = inner.param_groups[0] if inner.param_groups else {}
-        optim = {"type": type(inner).__name__, "betas": list(g.get("betas", ())),
-                 "eps": g.get("eps"), "weight_decay": [x.get("weight_decay") for x in
-                                                       inner.param_groups]}  # fmt: skip
+        optim = {
+            "type": type(inner).__name__,
+            "betas": list(g.get("betas", ())),
+            "eps": g.get("eps"),
+            "weight_decay": [x.get("weight_decay") for x in inner.param_groups],
+        }
     return {
         "format": FORMAT,
         "tpedu_version": tpedu.__version__,
         "model": config.to_dict(),
         "layout": layout,
         "tokens_seen": step * batch * config.seq_len if batch else None,
-        "data": {"sampler": "tpedu.train.data.batches.packed_batch", "seed": seed, "next_step": step,
-                 "note": "batch k is drawn from a generator seeded by (seed, k): resuming at "
-                         "next_step redraws exactly the batches an uninterrupted run sees"},
-        "rng": {"dropout_seed": config.seed, "init_seed": seed,
-                "note": "dropout masks hash (seed, layer, site, step, index); the loop draws no "
-                        "other random numbers after initialisation, so step + seeds are the "
-                        "whole RNG state"},
+        "data": {
+            "sampler": "tpedu.train.data.batches.packed_batch",
+            "seed": seed,
+            "next_step": step,
+            "note": "batch k is drawn from a generator seeded by (seed, k): resuming at "
+            "next_step redraws exactly the batches an uninterrupted run sees",
+        },
+        "rng": {
+            "dropout_seed": config.seed,
+            "init_seed": seed,
+            "note": "dropout masks hash (seed, layer, site, step, index); the loop draws no "
+            "other random numbers after initialisation, so step + seeds are the "
+            "whole RNG state",
+        },
         "optimizer": optim,
         "train": asdict(train_cfg) if is_dataclass(train_cfg) else None,
-    }  # fmt: skip
+    }
 
 
-def save(root: str | Path, model: TPGPT | Sequence[TPGPT], opt: object | None, step: int, *,
-         mesh: object | None = None, zero1: bool = False, train_cfg: object | None = None,
-         tok: object | None = None) -> Path:  # fmt: skip
+def save(
+    root: str | Path,
+    model: TPGPT | Sequence[TPGPT],
+    opt: object | None,
+    step: int,
+    *,
+    mesh: object | None = None,
+    zero1: bool = False,
+    train_cfg: object | None = None,
+    tok: object | None = None,
+) -> Path:
     """Save this step's checkpoint under `root` from every rank of the world. Collective.
 
     model: this rank's TPGPT (or its pipeline chunks); opt: its AdamW (or a ZeRO-1 wrapper,
@@ -230,9 +262,14 @@ def save(root: str | Path, model: TPGPT | Sequence[TPGPT], opt: object | None, s
     # stages: the layers of each virtual stage; virtual stage c·pp + s is on pp rank s (chunks
     # > 1 only with the interleaved schedule)
     virtual = stage_layers(config, pp * len(chunks))
-    layout = {"tp": tp, "pp": pp, "dp": dp, "zero1": zero1,
-              **({"chunks": len(chunks)} if len(chunks) > 1 else {}),  # absent: 1
-              "stages": [[r.start, r.stop] for r in virtual]}  # fmt: skip
+    layout = {
+        "tp": tp,
+        "pp": pp,
+        "dp": dp,
+        "zero1": zero1,
+        **({"chunks": len(chunks)} if len(chunks) > 1 else {}),  # absent: 1
+        "stages": [[r.start, r.stop] for r in virtual],
+    }
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     tmp = Path(root) / f".tmp-{step_name(step)}"
     error: BaseException | None = None
@@ -260,8 +297,9 @@ def save(root: str | Path, model: TPGPT | Sequence[TPGPT], opt: object | None, s
     return final
 
 
-def _rank_tensors(chunks: list[TPGPT], opt: object | None, coords: tuple[int, int, int],
-                  zero1: bool) -> tuple[dict[str, torch.Tensor], dict[str, str]]:  # fmt: skip
+def _rank_tensors(
+    chunks: list[TPGPT], opt: object | None, coords: tuple[int, int, int], zero1: bool
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """What this rank writes: its parameters (dp rank 0 only; replicated ones by tp rank 0 only)
     and the optimizer state it holds (every dp rank with ZeRO-1, else dp rank 0)."""
     tp_rank, _, dp_rank = coords
@@ -298,8 +336,10 @@ def resolve(path: str | Path) -> Path:
         return path / name
     if not path.exists():
         raise CheckpointError(f"{path} does not exist")
-    raise CheckpointError(f"{path} is not a tpedu checkpoint: no {INDEX} and no {LATEST} in it "
-                          "(an interrupted save leaves only a .tmp-step_N directory)")  # fmt: skip
+    raise CheckpointError(
+        f"{path} is not a tpedu checkpoint: no {INDEX} and no {LATEST} in it "
+        "(an interrupted save leaves only a .tmp-step_N directory)"
+    )
 
 
 def read_index(path: str | Path) -> tuple[Path, dict]:
@@ -313,8 +353,9 @@ def read_index(path: str | Path) -> tuple[Path, dict]:
             f"{step_dir / INDEX} is not valid JSON ({e}); the file is corrupted"
         ) from None
     if index.get("format") != FORMAT:
-        raise CheckpointError(f"{step_dir / INDEX}: field 'format' is {index.get('format')!r}, "
-                              f"expected {FORMAT!r}")  # fmt: skip
+        raise CheckpointError(
+            f"{step_dir / INDEX}: field 'format' is {index.get('format')!r}, expected {FORMAT!r}"
+        )
     for key in ("model", "layout", "tensors", "files", "step"):
         if key not in index:
             raise CheckpointError(f"{step_dir / INDEX} has no field {key!r}; the file is damaged")
@@ -401,8 +442,10 @@ class _Reader:
         """The merged dense tensor `key` (checked against `shape` and its shards' shapes)."""
         entry = self.entry(key)
         if shape is not None and tuple(entry["shape"]) != tuple(shape):
-            raise CheckpointError(f"{self.dir / INDEX}: field 'tensors.{key}.shape' is "
-                                  f"{entry['shape']}, the model needs {list(shape)}")  # fmt: skip
+            raise CheckpointError(
+                f"{self.dir / INDEX}: field 'tensors.{key}.shape' is "
+                f"{entry['shape']}, the model needs {list(shape)}"
+            )
         parts = []
         for s in entry["shards"]:
             self._check(s["file"])
@@ -411,19 +454,28 @@ class _Reader:
                     raise CheckpointError(f"{self.dir / s['file']} has no tensor {key!r}")
                 t = f.get_tensor(key)
             if list(t.shape) != s["shape"]:
-                raise CheckpointError(f"{self.dir / s['file']}: tensor {key!r} has shape "
-                                      f"{list(t.shape)}, {INDEX} says {s['shape']}")  # fmt: skip
+                raise CheckpointError(
+                    f"{self.dir / s['file']}: tensor {key!r} has shape "
+                    f"{list(t.shape)}, {INDEX} says {s['shape']}"
+                )
             parts.append(t)
         rows = entry["shape"][0] if entry["shape"] else None
         dense = merge_shards(parts, entry["kind"], config, rows)
         if list(dense.shape) != entry["shape"]:
-            raise CheckpointError(f"{key}: its shards merge to {list(dense.shape)}, {INDEX} "
-                                  f"field 'tensors.{key}.shape' says {entry['shape']}")  # fmt: skip
+            raise CheckpointError(
+                f"{key}: its shards merge to {list(dense.shape)}, {INDEX} "
+                f"field 'tensors.{key}.shape' says {entry['shape']}"
+            )
         return dense
 
 
-def load(path: str | Path, model: TPGPT | Sequence[TPGPT], opt: object | None = None, *,
-         verify: bool = True) -> dict:  # fmt: skip
+def load(
+    path: str | Path,
+    model: TPGPT | Sequence[TPGPT],
+    opt: object | None = None,
+    *,
+    verify: bool = True,
+) -> dict:
     """Load a checkpoint (a step directory, or a root with `latest`) into this rank's model and
     optimizer, at whatever layout they have: every tensor is merged from the saved shards and
     split for this rank. Returns the index (its "step" is the next step to run).
@@ -446,22 +498,27 @@ def load(path: str | Path, model: TPGPT | Sequence[TPGPT], opt: object | None = 
         shapes = dense_shapes(config)
         state_keys = sorted({k.split("/", 1)[0] for k in index["tensors"] if "/" in k})
         if inner is not None and managed and index["step"] > 0 and not state_keys:
-            raise CheckpointError(f"{step_dir / INDEX} holds no optimizer state "
-                                  "(saved without one); load it with opt=None")  # fmt: skip
+            raise CheckpointError(
+                f"{step_dir / INDEX} holds no optimizer state "
+                "(saved without one); load it with opt=None"
+            )
         for e in shard_map(chunks):
             name, p, kind = e.name, e.param, e.stored_kind
             local = split_tensor(reader.dense(name, config, shapes[name]), kind, tp, rank, config)
             if local.shape != p.shape:
-                raise CheckpointError(f"{name}: the checkpoint gives this rank a "
-                                      f"{list(local.shape)} shard, the model has "
-                                      f"{list(p.shape)}")  # fmt: skip
+                raise CheckpointError(
+                    f"{name}: the checkpoint gives this rank a "
+                    f"{list(local.shape)} shard, the model has "
+                    f"{list(p.shape)}"
+                )
             staged.append((p, local))
             if inner is not None and id(p) in managed:
                 st = {}
                 for key in state_keys:
                     dense = reader.dense(f"{key}/{name}", config)
-                    st[key] = dense if dense.dim() == 0 else split_tensor(dense, kind, tp, rank,
-                                                                          config)  # fmt: skip
+                    st[key] = (
+                        dense if dense.dim() == 0 else split_tensor(dense, kind, tp, rank, config)
+                    )
                 states[p] = st
     except Exception as e:  # noqa: BLE001 - reported to every rank by _agree
         error = e
@@ -470,13 +527,15 @@ def load(path: str | Path, model: TPGPT | Sequence[TPGPT], opt: object | None = 
         for p, local in staged:
             p.copy_(local.to(p.dtype))
     for p, st in states.items():
-        inner.state[p] = {k: v if v.dim() == 0 else v.to(device=p.device, dtype=p.dtype)
-                          for k, v in st.items()}  # fmt: skip
+        inner.state[p] = {
+            k: v if v.dim() == 0 else v.to(device=p.device, dtype=p.dtype) for k, v in st.items()
+        }
     return index
 
 
-def save_if_due(cfg: object, step: int, model: TPGPT | Sequence[TPGPT], opt: object | None,
-                **kwargs: object) -> Path | None:  # fmt: skip
+def save_if_due(
+    cfg: object, step: int, model: TPGPT | Sequence[TPGPT], opt: object | None, **kwargs: object
+) -> Path | None:
     """The training loop's hook: save() to cfg.ckpt_dir when `step` (optimizer steps done) is a
     multiple of cfg.save_every, or the last step (cfg.steps). No ckpt_dir: nothing."""
     every, steps = getattr(cfg, "save_every", 0), getattr(cfg, "steps", None)
@@ -496,9 +555,11 @@ def summary(path: str | Path) -> str:
     """A short human-readable description of a checkpoint: layout, step, files, tensors."""
     step_dir, index = read_index(path)
     lay = index["layout"]
-    lines = [f"{step_dir}: step {index['step']}, tp={lay['tp']} pp={lay['pp']} dp={lay['dp']}"
-             f"{' zero1' if lay.get('zero1') else ''}, {len(index['files'])} shard files, "
-             f"{len(index['tensors'])} tensors"]  # fmt: skip
+    lines = [
+        f"{step_dir}: step {index['step']}, tp={lay['tp']} pp={lay['pp']} dp={lay['dp']}"
+        f"{' zero1' if lay.get('zero1') else ''}, {len(index['files'])} shard files, "
+        f"{len(index['tensors'])} tensors"
+    ]
     for f, info in index["files"].items():
         lines.append(f"  {f:<28} {info['bytes']:>10,} bytes")
     return "\n".join(lines)

@@ -1,6 +1,6 @@
-"""The command line (`python -m tpedu`): parser, checks before launch, commands.
+"""Lessons 02–13: the command line (`python -m tpedu`): parser, checks before launch, commands.
 
 - tpedu.cli.parser: `build_parser()`, every subcommand and flag
 - tpedu.cli.checks: the one-line errors (exit code 2) raised before any rank starts
-- tpedu.cli.commands: hello, commbench, train, generate, reshard, and `main`
+- tpedu.cli.commands: hello, commbench (lesson 02), train, generate (07, 12), reshard (13), `main`
 """

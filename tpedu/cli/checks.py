@@ -1,6 +1,6 @@
-"""The command line's checks before launch: every value a rank would only trip over later
-(a traceback per rank, or a silently wrong run) is refused here, in the one parent process,
-with one line on stderr (`tpedu: error: ...`) and exit code 2.
+"""Course infrastructure: the command line's checks before launch: every value a rank would only
+trip over later (a traceback per rank, or a silently wrong run) is refused here, in the one parent
+process, with one line on stderr (`tpedu: error: ...`) and exit code 2.
 
 Under torchrun every process runs the same checks; only the first process on each machine
 (LOCAL_RANK 0, which includes RANK 0) prints the error, and every process exits 2.
@@ -62,39 +62,51 @@ def check_ranks(args: argparse.Namespace) -> None:
             else n * others
         )
         if here > gpus:
-            fail(f"--backend nccl needs one GPU per rank: {here} ranks on this machine, {gpus} "
-                 f"GPUs visible; use at most {gpus} ranks here, or --backend gloo")  # fmt: skip
+            fail(
+                f"--backend nccl needs one GPU per rank: {here} ranks on this machine, {gpus} "
+                f"GPUs visible; use at most {gpus} ranks here, or --backend gloo"
+            )
     if under_torchrun():
         world = int(os.environ["WORLD_SIZE"])
         if flag == "--tp" and others > 1 and n * others != world:
-            fail(f"--tp {n} × --pp {args.pp} × --dp {args.dp} = {n * others} ranks does not "
-                 f"match torchrun's world size {world}; choose tp·pp·dp = {world} or start "
-                 f"{n * others} processes")  # fmt: skip
+            fail(
+                f"--tp {n} × --pp {args.pp} × --dp {args.dp} = {n * others} ranks does not "
+                f"match torchrun's world size {world}; choose tp·pp·dp = {world} or start "
+                f"{n * others} processes"
+            )
         if flag == "--tp" and others == 1 and n != world:
-            fail(f"--tp {n} does not match torchrun's world size {world}; "
-                 f"pass --tp {world} or start {n} processes")  # fmt: skip
+            fail(
+                f"--tp {n} does not match torchrun's world size {world}; "
+                f"pass --tp {world} or start {n} processes"
+            )
         setattr(args, flag.lstrip("-"), world // others)
         return
     cores = os.cpu_count() or 1
     if args.backend != "nccl" and n * others > 4 * cores:
         what = f"{flag} {n}" if others == 1 else f"tp·pp·dp = {n * others}"
-        fail(f"{what} is more than 4 ranks per core on this {cores}-core "
-             "machine; use fewer ranks or a bigger machine")  # fmt: skip
+        fail(
+            f"{what} is more than 4 ranks per core on this {cores}-core "
+            "machine; use fewer ranks or a bigger machine"
+        )
 
 
 def check_args(args: argparse.Namespace) -> None:
     """One-line errors for values the ranks would only trip over later (after check_ranks)."""
     if args.command == "commbench":
         if args.nprocs < 2:
-            fail(f"--nprocs {args.nprocs}: commbench needs at least 2 ranks (one rank "
-                 "communicates nothing, so α and β cannot be fitted)")  # fmt: skip
+            fail(
+                f"--nprocs {args.nprocs}: commbench needs at least 2 ranks (one rank "
+                "communicates nothing, so α and β cannot be fitted)"
+            )
         if args.repeats < 1:
             fail(f"--repeats {args.repeats}: must be at least 1 (timed runs per size)")
         if min(args.sizes) < 1:
             fail(f"--sizes {min(args.sizes)}: sizes are bytes, each must be at least 1")
         if len(set(args.sizes)) < 2:
-            fail(f"--sizes needs at least 2 different sizes to fit α and β, got "
-                 f"{sorted(set(args.sizes))}; e.g. --sizes 4096 1048576")  # fmt: skip
+            fail(
+                f"--sizes needs at least 2 different sizes to fit α and β, got "
+                f"{sorted(set(args.sizes))}; e.g. --sizes 4096 1048576"
+            )
     elif args.command == "train":
         _check_train_numbers(args)
         if args.save_every and not args.ckpt_dir:
@@ -108,19 +120,25 @@ def check_args(args: argparse.Namespace) -> None:
             _check_json(args.json)
     elif args.command == "generate":
         if args.top_k < 1:
-            fail(f"--top-k {args.top_k}: must be at least 1 (a value at least the vocabulary "
-                 "size samples from the whole vocabulary)")  # fmt: skip
+            fail(
+                f"--top-k {args.top_k}: must be at least 1 (a value at least the vocabulary "
+                "size samples from the whole vocabulary)"
+            )
         if not args.temperature >= 0:
-            fail(f"--temperature {args.temperature}: must be at least 0 (0 always picks the "
-                 "most likely token, 1 samples the model's distribution)")  # fmt: skip
+            fail(
+                f"--temperature {args.temperature}: must be at least 0 (0 always picks the "
+                "most likely token, 1 samples the model's distribution)"
+            )
         if not args.prompt.strip():
             fail("--prompt is empty; give some text to continue, e.g. --prompt '宝玉'")
 
 
 def _check_train_numbers(args: argparse.Namespace) -> None:
     """train's counts and optimizer settings: each flag, its value and what it may be."""
-    at_least = [(name, 1) for name in ("layers", "hidden", "seq", "batch", "steps",
-                                       "eval_batches", "chunks")]  # fmt: skip
+    at_least = [
+        (name, 1)
+        for name in ("layers", "hidden", "seq", "batch", "steps", "eval_batches", "chunks")
+    ]
     at_least += [("eval_every", 0), ("save_every", 0)]
     if args.warmup is not None:
         at_least.append(("warmup", 0))
@@ -131,8 +149,7 @@ def _check_train_numbers(args: argparse.Namespace) -> None:
         if value < low:
             fail(f"--{name.replace('_', '-')} must be at least {low}, got {value}")
     if not (math.isfinite(args.lr) and args.lr > 0):
-        fail(f"--lr must be a positive number (the peak learning rate, e.g. 3e-3), "
-             f"got {args.lr:g}")  # fmt: skip
+        fail(f"--lr must be a positive number (the peak learning rate, e.g. 3e-3), got {args.lr:g}")
     for flag, value, note in (
         ("--min-lr", args.min_lr, " (the learning rate the cosine decays to)"),
         ("--weight-decay", args.weight_decay, " (0: no weight decay)"),
@@ -141,8 +158,10 @@ def _check_train_numbers(args: argparse.Namespace) -> None:
         if value is not None and not (math.isfinite(value) and value >= 0):
             fail(f"{flag} must be a number at least 0{note}, got {value:g}")
     if args.min_lr is not None and args.min_lr > args.lr:
-        fail(f"--min-lr {args.min_lr:g} is above --lr {args.lr:g}: the schedule decays from "
-             "--lr down to --min-lr; give a --min-lr at most --lr")  # fmt: skip
+        fail(
+            f"--min-lr {args.min_lr:g} is above --lr {args.lr:g}: the schedule decays from "
+            "--lr down to --min-lr; give a --min-lr at most --lr"
+        )
 
 
 def check_dir(flag: str, value: str) -> None:
@@ -150,8 +169,10 @@ def check_dir(flag: str, value: str) -> None:
     for path in (Path(value), *Path(value).parents):
         if path.exists():
             if not path.is_dir():
-                fail(f"{flag} {value}: {path} is a file, not a directory; give a directory "
-                     "(a missing one is created)")  # fmt: skip
+                fail(
+                    f"{flag} {value}: {path} is a file, not a directory; give a directory "
+                    "(a missing one is created)"
+                )
             return
 
 
@@ -172,8 +193,10 @@ def _check_json(value: str) -> None:
     if path.is_dir():
         fail(f"--json {value} is a directory; give a file name for the summary")
     if not path.parent.is_dir():
-        fail(f"--json {value}: {path.parent} is not a directory; create it first or give "
-             "another file name")  # fmt: skip
+        fail(
+            f"--json {value}: {path.parent} is not a directory; create it first or give "
+            "another file name"
+        )
 
 
 def check_layout(args: argparse.Namespace, n_layers: int) -> None:
@@ -183,14 +206,17 @@ def check_layout(args: argparse.Namespace, n_layers: int) -> None:
     from tpedu.train.loop import default_micro_batches
 
     if args.batch % args.dp:
-        fail(f"--batch {args.batch} is not divisible by --dp {args.dp}; "
-             f"use a multiple of {args.dp}")  # fmt: skip
+        fail(
+            f"--batch {args.batch} is not divisible by --dp {args.dp}; use a multiple of {args.dp}"
+        )
     per_replica = args.batch // args.dp
     if args.micro_batches is not None and (
         args.micro_batches < 1 or per_replica % args.micro_batches
     ):
-        fail(f"--micro-batches {args.micro_batches} does not divide the per-replica batch "
-             f"{per_replica} (= batch / dp); choose a divisor of {per_replica}")  # fmt: skip
+        fail(
+            f"--micro-batches {args.micro_batches} does not divide the per-replica batch "
+            f"{per_replica} (= batch / dp); choose a divisor of {per_replica}"
+        )
     try:
         partition(n_layers, args.pp * args.chunks)
     except ValueError as e:
@@ -218,14 +244,17 @@ def read_resume(args: argparse.Namespace) -> GPTConfig | None:
         fail(str(e))
 
 
-def resume_config(args: argparse.Namespace, saved: GPTConfig, config: GPTConfig,
-                  vocab_size: int) -> GPTConfig:  # fmt: skip
+def resume_config(
+    args: argparse.Namespace, saved: GPTConfig, config: GPTConfig, vocab_size: int
+) -> GPTConfig:
     """The checkpoint's model config `saved`, with its layout-only fields from the flags."""
     from tpedu import checkpoint
 
     if saved.vocab_size != vocab_size:
-        fail(f"{args.resume} has vocab_size {saved.vocab_size}, the --tokenizer "
-             f"{args.tokenizer} gives {vocab_size}; pass the tokenizer it was trained with")  # fmt: skip
+        fail(
+            f"{args.resume} has vocab_size {saved.vocab_size}, the --tokenizer "
+            f"{args.tokenizer} gives {vocab_size}; pass the tokenizer it was trained with"
+        )
     return replace(saved, **{k: getattr(config, k) for k in checkpoint.LAYOUT_ONLY})
 
 
@@ -246,6 +275,8 @@ def check_prompt(tok: object, prompt: str) -> None:
     shown = ", ".join(repr(c) for c in unknown[:10])
     more = f" and {len(unknown) - 10} more" if len(unknown) > 10 else ""
     n = len(unknown)
-    fail(f"the prompt has {n} character{'s' if n > 1 else ''} the model's tokenizer does not "
-         f"know: {shown}{more} (the model would see <unk>, which it never saw in training); "
-         "use characters from its training text")  # fmt: skip
+    fail(
+        f"the prompt has {n} character{'s' if n > 1 else ''} the model's tokenizer does not "
+        f"know: {shown}{more} (the model would see <unk>, which it never saw in training); "
+        "use characters from its training text"
+    )

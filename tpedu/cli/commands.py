@@ -1,6 +1,6 @@
-"""The subcommands of `python -m tpedu` (the overview: tpedu.cli.parser.DESCRIPTION): `hello`
-(lesson 02: ranks start and talk), `commbench` (lesson 02: the α-β cost model), `train` (lesson
-07, and lessons 10-13 with --pp, --dp and checkpoints), `generate` (lesson 07), `reshard`
+"""Lessons 02–13: the subcommands of `python -m tpedu` (the overview: tpedu.cli.parser.DESCRIPTION):
+`hello` (lesson 02: ranks start and talk), `commbench` (lesson 02: the α-β cost model), `train`
+(lesson 07, and lessons 10-13 with --pp, --dp and checkpoints), `generate` (lesson 07), `reshard`
 (lesson 13), and `main`, which parses, checks (tpedu.cli.checks) and then launches.
 
 Every subcommand but reshard works two ways:
@@ -80,8 +80,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "hello":
             run(hello, args.nprocs, backend=args.backend, timeout=args.timeout)
         elif args.command == "commbench":
-            run(commbench, args.nprocs, args.sizes, args.repeats, backend=args.backend,
-                timeout=args.timeout)  # fmt: skip
+            run(
+                commbench,
+                args.nprocs,
+                args.sizes,
+                args.repeats,
+                backend=args.backend,
+                timeout=args.timeout,
+            )
         elif args.command == "train":
             return _train(args)
         else:
@@ -107,32 +113,76 @@ def _train(args: argparse.Namespace) -> int:
         fail(str(e))
     preset = GPTConfig.llama_like if args.arch == "llama" else GPTConfig.gpt2_like
     kv = {"n_kv_heads": args.kv_heads} if args.kv_heads or args.arch == "gpt2" else {}
-    config = preset(tok.vocab_size, seq_len=args.seq, n_layers=args.layers, hidden=args.hidden,
-                    n_heads=args.heads, dropout=args.dropout,
-                    vocab_parallel=not args.replicated_embedding,
-                    sequence_parallel=args.sequence_parallel, overlap_comm=args.overlap_comm,
-                    stage_split=args.stage_split,
-                    **kv)  # fmt: skip
+    config = preset(
+        tok.vocab_size,
+        seq_len=args.seq,
+        n_layers=args.layers,
+        hidden=args.hidden,
+        n_heads=args.heads,
+        dropout=args.dropout,
+        vocab_parallel=not args.replicated_embedding,
+        sequence_parallel=args.sequence_parallel,
+        overlap_comm=args.overlap_comm,
+        stage_split=args.stage_split,
+        **kv,
+    )
     if saved is not None:
         config = checks.resume_config(args, saved, config, tok.vocab_size)
     checks.check_config(config, args.tp)
     min_lr = args.lr / 10 if args.min_lr is None else args.min_lr
     warmup = min(20, args.steps // 10 + 1) if args.warmup is None else args.warmup
-    cfg = TrainConfig(steps=args.steps, batch=args.batch, lr=args.lr, min_lr=min_lr,
-                      warmup=warmup, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
-                      eval_every=args.eval_every, eval_batches=args.eval_batches,
-                      seed=args.seed, ckpt_dir=args.ckpt_dir, save_every=args.save_every,
-                      resume=args.resume)  # fmt: skip
+    cfg = TrainConfig(
+        steps=args.steps,
+        batch=args.batch,
+        lr=args.lr,
+        min_lr=min_lr,
+        warmup=warmup,
+        weight_decay=args.weight_decay,
+        grad_clip=args.grad_clip,
+        eval_every=args.eval_every,
+        eval_batches=args.eval_batches,
+        seed=args.seed,
+        ckpt_dir=args.ckpt_dir,
+        save_every=args.save_every,
+        resume=args.resume,
+    )
     if _three_d(args):
-        results = run(train_3d, args.tp * args.pp * args.dp, config, cfg, train_ids,
-                      val_ids, args.tp, args.pp, args.dp, args.micro_batches, args.zero1,
-                      args.schedule, out=args.out, tok=tok, chunks=args.chunks,
-                      backend=args.backend, timeout=None,
-                      collective_timeout=args.timeout, stream=True)  # fmt: skip
+        results = run(
+            train_3d,
+            args.tp * args.pp * args.dp,
+            config,
+            cfg,
+            train_ids,
+            val_ids,
+            args.tp,
+            args.pp,
+            args.dp,
+            args.micro_batches,
+            args.zero1,
+            args.schedule,
+            out=args.out,
+            tok=tok,
+            chunks=args.chunks,
+            backend=args.backend,
+            timeout=None,
+            collective_timeout=args.timeout,
+            stream=True,
+        )
     else:
-        results = run(train, args.tp, config, cfg, train_ids, val_ids, args.out, tok,
-                      backend=args.backend, timeout=None, collective_timeout=args.timeout,
-                      stream=True)  # fmt: skip
+        results = run(
+            train,
+            args.tp,
+            config,
+            cfg,
+            train_ids,
+            val_ids,
+            args.out,
+            tok,
+            backend=args.backend,
+            timeout=None,
+            collective_timeout=args.timeout,
+            stream=True,
+        )
     if int(os.environ.get("RANK", "0")) == 0:
         summary = results[0]
         if args.json:
@@ -147,8 +197,10 @@ def _reshard(args: argparse.Namespace) -> int:
     src = Path(args.src)
     dense_dir = (src / "model.safetensors").exists()  # `train --out`: import (or export) it
     if dense_dir and args.to == "dense":
-        fail(f"{src} is already a dense model dir (`train --out`); use --to sharded to "
-             "import it as a checkpoint, or --to hf to export it for transformers")  # fmt: skip
+        fail(
+            f"{src} is already a dense model dir (`train --out`); use --to sharded to "
+            "import it as a checkpoint, or --to hf to export it for transformers"
+        )
     checks.check_dir("--out", args.out)
     if args.to in ("dense", "hf"):  # an export replaces --out as a whole
         checks.check_out(args.out)
@@ -179,9 +231,20 @@ def _generate(args: argparse.Namespace) -> int:
     checks.check_config(config, args.tp)
     checks.check_prompt(tok, args.prompt)
     prompt = tok.encode(args.prompt)
-    results = run(generate, args.tp, config, state, prompt, args.max_new_tokens,
-                  args.temperature, args.top_k, args.seed, backend=args.backend,
-                  timeout=None, collective_timeout=args.timeout)  # fmt: skip
+    results = run(
+        generate,
+        args.tp,
+        config,
+        state,
+        prompt,
+        args.max_new_tokens,
+        args.temperature,
+        args.top_k,
+        args.seed,
+        backend=args.backend,
+        timeout=None,
+        collective_timeout=args.timeout,
+    )
     if int(os.environ.get("RANK", "0")) == 0:
         print(tok.decode(results[0]))
     return 0

@@ -1,4 +1,5 @@
-"""The argument parser of `python -m tpedu` (`build_parser`): every subcommand and flag.
+"""Lessons 02–13: the argument parser of `python -m tpedu` (`build_parser`): every subcommand
+and flag.
 
 Defaults and ranges are checked by tpedu.cli.checks before any rank starts; the subcommands
 themselves are in tpedu.cli.commands.
@@ -29,17 +30,29 @@ TP_COMMANDS = ("train", "generate")
 
 
 def _common(s: argparse.ArgumentParser, ranks_flag: str = "--nprocs") -> None:
-    s.add_argument(ranks_flag, type=int, default=2, dest=ranks_flag.lstrip("-"),
-                   help="local ranks (under torchrun: must equal the world size)")  # fmt: skip
+    s.add_argument(
+        ranks_flag,
+        type=int,
+        default=2,
+        dest=ranks_flag.lstrip("-"),
+        help="local ranks (under torchrun: must equal the world size)",
+    )
     s.add_argument("--backend", choices=["gloo", "nccl"], default=None)
-    s.add_argument("--timeout", type=float, default=600.0,
-                   help="seconds a rank may wait on the others before the run fails as a hang")  # fmt: skip
+    s.add_argument(
+        "--timeout",
+        type=float,
+        default=600.0,
+        help="seconds a rank may wait on the others before the run fails as a hang",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser for `python -m tpedu SUBCOMMAND ...` (its --help shows DESCRIPTION)."""
-    p = argparse.ArgumentParser(prog="python -m tpedu", description=DESCRIPTION,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="python -m tpedu",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = p.add_subparsers(dest="command", required=True)
     _common(sub.add_parser("hello", help="check that ranks start and talk"))
     bench = sub.add_parser("commbench", help="fit the α-β collective cost model")
@@ -58,46 +71,94 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--batch", type=int, default=8)
     tr.add_argument("--steps", type=int, default=200)
     tr.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
-    tr.add_argument("--min-lr", type=float, default=None,
-                    help="learning rate at the end of the cosine decay (default: lr / 10)")  # fmt: skip
-    tr.add_argument("--warmup", type=int, default=None,
-                    help="linear warm-up steps (default: min(20, steps // 10 + 1))")  # fmt: skip
-    tr.add_argument("--weight-decay", type=float, default=0.1,
-                    help="AdamW weight decay on the matrices")  # fmt: skip
-    tr.add_argument("--grad-clip", type=float, default=1.0,
-                    help="clip the global gradient norm to this (0: no clipping)")  # fmt: skip
+    tr.add_argument(
+        "--min-lr",
+        type=float,
+        default=None,
+        help="learning rate at the end of the cosine decay (default: lr / 10)",
+    )
+    tr.add_argument(
+        "--warmup",
+        type=int,
+        default=None,
+        help="linear warm-up steps (default: min(20, steps // 10 + 1))",
+    )
+    tr.add_argument(
+        "--weight-decay", type=float, default=0.1, help="AdamW weight decay on the matrices"
+    )
+    tr.add_argument(
+        "--grad-clip",
+        type=float,
+        default=1.0,
+        help="clip the global gradient norm to this (0: no clipping)",
+    )
     tr.add_argument("--dropout", type=float, default=0.0)
     tr.add_argument("--tokenizer", choices=["char", "bpe"], default="char")
     tr.add_argument("--bpe-vocab", type=int, default=4096)
-    tr.add_argument("--replicated-embedding", action="store_true",
-                    help="keep the whole embedding on every rank instead of splitting the vocabulary")  # fmt: skip
-    tr.add_argument("--sequence-parallel", action="store_true",
-                    help="shard norms, dropout and residuals along the sequence (lesson 08)")  # fmt: skip
-    tr.add_argument("--overlap-comm", action="store_true",
-                    help="overlap each f's backward all-reduce with dL/dW (lesson 14; same result)")  # fmt: skip
-    tr.add_argument("--eval-every", type=int, default=50,
-                    help="validate every N steps (and at the end); 0: never")  # fmt: skip
-    tr.add_argument("--eval-batches", type=int, default=4,
-                    help="validation batches per evaluation")  # fmt: skip
+    tr.add_argument(
+        "--replicated-embedding",
+        action="store_true",
+        help="keep the whole embedding on every rank instead of splitting the vocabulary",
+    )
+    tr.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="shard norms, dropout and residuals along the sequence (lesson 08)",
+    )
+    tr.add_argument(
+        "--overlap-comm",
+        action="store_true",
+        help="overlap each f's backward all-reduce with dL/dW (lesson 14; same result)",
+    )
+    tr.add_argument(
+        "--eval-every",
+        type=int,
+        default=50,
+        help="validate every N steps (and at the end); 0: never",
+    )
+    tr.add_argument("--eval-batches", type=int, default=4, help="validation batches per evaluation")
     tr.add_argument("--seed", type=int, default=0)
     tr.add_argument("--out", default=None, help="directory to save the trained model in")
     tr.add_argument("--json", default=None, help="also write the full summary (all losses) here")
     tr.add_argument("--pp", type=int, default=1, help="pipeline stages (lesson 10)")
     tr.add_argument("--dp", type=int, default=1, help="data-parallel replicas (lesson 11)")
-    tr.add_argument("--micro-batches", type=int, default=None,
-                    help="micro-batches per step with --pp (default: the largest ≤ 2·pp dividing batch/dp)")  # fmt: skip
+    tr.add_argument(
+        "--micro-batches",
+        type=int,
+        default=None,
+        help="micro-batches per step with --pp (default: the largest ≤ 2·pp dividing batch/dp)",
+    )
     tr.add_argument("--zero1", action="store_true", help="shard AdamW's states over --dp ranks")
-    tr.add_argument("--schedule", choices=["1f1b", "gpipe", "interleaved"], default="1f1b",
-                    help="pipeline schedule with --pp (lesson 10)")  # fmt: skip
-    tr.add_argument("--chunks", type=int, default=1,
-                    help="model chunks per pipeline rank (--schedule interleaved)")  # fmt: skip
-    tr.add_argument("--stage-split", choices=["even", "flops"], default="even",
-                    help="blocks per pipeline stage: even, or by FLOPs counting the head (lesson 10)")  # fmt: skip
+    tr.add_argument(
+        "--schedule",
+        choices=["1f1b", "gpipe", "interleaved"],
+        default="1f1b",
+        help="pipeline schedule with --pp (lesson 10)",
+    )
+    tr.add_argument(
+        "--chunks",
+        type=int,
+        default=1,
+        help="model chunks per pipeline rank (--schedule interleaved)",
+    )
+    tr.add_argument(
+        "--stage-split",
+        choices=["even", "flops"],
+        default="even",
+        help="blocks per pipeline stage: even, or by FLOPs counting the head (lesson 10)",
+    )
     tr.add_argument("--ckpt-dir", default=None, help="write sharded checkpoints here (lesson 13)")
-    tr.add_argument("--save-every", type=int, default=0,
-                    help="checkpoint every N steps (and at the end) into --ckpt-dir")  # fmt: skip
-    tr.add_argument("--resume", default=None,
-                    help="continue from this checkpoint (any layout; its model config is used)")  # fmt: skip
+    tr.add_argument(
+        "--save-every",
+        type=int,
+        default=0,
+        help="checkpoint every N steps (and at the end) into --ckpt-dir",
+    )
+    tr.add_argument(
+        "--resume",
+        default=None,
+        help="continue from this checkpoint (any layout; its model config is used)",
+    )
 
     gen = sub.add_parser("generate", help="continue a prompt with a trained model")
     _common(gen, "--tp")
@@ -109,13 +170,20 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0)
 
     rs = sub.add_parser("reshard", help="rewrite a checkpoint for another layout, or export it")
-    rs.add_argument("src", help="a checkpoint (step dir, or its parent with `latest`), or a dense "
-                    "model dir (`train --out`) to import")  # fmt: skip
+    rs.add_argument(
+        "src",
+        help="a checkpoint (step dir, or its parent with `latest`), or a dense "
+        "model dir (`train --out`) to import",
+    )
     rs.add_argument("--out", required=True, help="the new checkpoint's (or export's) directory")
     rs.add_argument("--tp", type=int, default=1)
     rs.add_argument("--pp", type=int, default=1)
     rs.add_argument("--dp", type=int, default=1)
     rs.add_argument("--zero1", action="store_true", help="record a ZeRO-1 layout")
-    rs.add_argument("--to", choices=["sharded", "dense", "hf"], default="sharded",
-                    help="dense: a `train --out` model dir; hf: GPT-2 for transformers")  # fmt: skip
+    rs.add_argument(
+        "--to",
+        choices=["sharded", "dense", "hf"],
+        default="sharded",
+        help="dense: a `train --out` model dir; hf: GPT-2 for transformers",
+    )
     return p

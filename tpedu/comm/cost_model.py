@@ -63,11 +63,14 @@ def fit(samples: list[Sample]) -> AlphaBeta:
     rows = [s for s in samples if s.world_size > 1]
     if len(rows) < 2:
         raise ValueError("fitting α and β needs at least two samples with world_size > 1")
-    a = np.array([[ring_steps(s.op, s.world_size), ring_bytes(s.op, s.nbytes, s.world_size)]
-                  for s in rows])  # fmt: skip
+    a = np.array(
+        [[ring_steps(s.op, s.world_size), ring_bytes(s.op, s.nbytes, s.world_size)] for s in rows]
+    )
     if np.linalg.matrix_rank(a) < 2:  # e.g. one message size: bytes ∝ steps in every row
-        raise ValueError("fitting α and β needs samples at two or more message sizes "
-                         "(one size cannot tell latency from bandwidth)")  # fmt: skip
+        raise ValueError(
+            "fitting α and β needs samples at two or more message sizes "
+            "(one size cannot tell latency from bandwidth)"
+        )
     y = np.array([s.seconds for s in rows])
     # Relative error matters for sizes spanning decades: weight each row by 1/seconds.
     w = 1.0 / np.maximum(y, 1e-9)

@@ -43,14 +43,22 @@ def _ring_position(group: dist.ProcessGroup | None) -> tuple[int, int, int, int]
 
 def _check_chunks(chunks: list[torch.Tensor], t: int, who: str) -> None:
     if len(chunks) != t:
-        raise ValueError(f"{who}: got {len(chunks)} chunks for a group of {t} ranks; pass exactly "
-                         f"one chunk per rank (e.g. x.view(-1).tensor_split({t}))")  # fmt: skip
+        raise ValueError(
+            f"{who}: got {len(chunks)} chunks for a group of {t} ranks; pass exactly "
+            f"one chunk per rank (e.g. x.view(-1).tensor_split({t}))"
+        )
     if any(not c.is_contiguous() for c in chunks):
         raise ValueError(f"{who}: chunks must be contiguous (split a flat view: x.view(-1))")
 
 
-def _step(send: torch.Tensor, recv: torch.Tensor, rank: int, left: int, right: int,
-          group: dist.ProcessGroup | None) -> None:  # fmt: skip
+def _step(
+    send: torch.Tensor,
+    recv: torch.Tensor,
+    rank: int,
+    left: int,
+    right: int,
+    group: dist.ProcessGroup | None,
+) -> None:
     """Send `send` to the right while receiving `recv` from the left.
 
     A ring where every rank first does a blocking send can deadlock: all ranks sit in send,

@@ -65,8 +65,9 @@ def record(op: str, group: str, group_size: int, numel: int, itemsize: int) -> N
     if not _active:
         return
     nbytes = numel * itemsize
-    rec = CommRecord(op, group, group_size, numel, nbytes, ring_bytes(op, nbytes, group_size),
-                     current_phase())  # fmt: skip
+    rec = CommRecord(
+        op, group, group_size, numel, nbytes, ring_bytes(op, nbytes, group_size), current_phase()
+    )
     for tracer in _active:
         tracer.records.append(rec)
 

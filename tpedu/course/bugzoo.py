@@ -1,4 +1,4 @@
-"""The bug zoo: deliberately broken variants of tpedu, one real, reported failure each (lesson 15).
+"""Lesson 15: the bug zoo: deliberately broken variants of tpedu, one real, reported failure each.
 
 Each bug is a context manager that monkeypatches ONE thing in tpedu, and comes with the check
 that catches it (a mutation test: the check passes on tpedu and fails under the bug) and the
@@ -99,8 +99,9 @@ def _argmax_one_shard(logits_shard: torch.Tensor, vocab_size: int, group: object
     return logits_shard.argmax(dim=-1) + start  # BUG: this shard's best token, not the model's
 
 
-def _split_qkv_naive(weight: torch.Tensor, n_heads: int, n_kv_heads: int, tp: int,
-                     rank: int) -> torch.Tensor:  # fmt: skip
+def _split_qkv_naive(
+    weight: torch.Tensor, n_heads: int, n_kv_heads: int, tp: int, rank: int
+) -> torch.Tensor:
     return weight.detach().chunk(tp, dim=0)[rank].contiguous()  # BUG: rank 0 gets q, q, ...
 
 
@@ -148,12 +149,15 @@ def _dropout_per_rank(x: torch.Tensor, p: float, seed: int, *args: object, **kwa
 
 def _batch(config: model.GPTConfig, seed: int = 1, b: int = 3, s: int = 6):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randint(0, config.vocab_size, (b, s), generator=g),
-            torch.randint(0, config.vocab_size, (b, s), generator=g))  # fmt: skip
+    return (
+        torch.randint(0, config.vocab_size, (b, s), generator=g),
+        torch.randint(0, config.vocab_size, (b, s), generator=g),
+    )
 
 
-def _vs_dense(config: model.GPTConfig, group: object = None, seed: int = 1,
-              training: bool = False) -> tuple[bool, str]:  # fmt: skip
+def _vs_dense(
+    config: model.GPTConfig, group: object = None, seed: int = 1, training: bool = False
+) -> tuple[bool, str]:
     ids, tgt = _batch(config, seed)
     cmp = compare_with_dense(config, group, ids, tgt, training=training)
     name, d = cmp.worst
@@ -215,9 +219,15 @@ def check_pipeline() -> tuple[bool, str]:
     ids, tgt = (x.to(device()) for x in _batch(GPT2, b=4))
     acts = pipeline.schedule("1f1b", 2, 2, m.pp_rank)
     try:
-        pipeline.run_schedule(chunks, acts, pipeline.Pipe.from_mesh(m), list(ids.chunk(2)),
-                              list(tgt.chunk(2)), (2, 6, GPT2.hidden),
-                              recv_timeout=1.0)  # fmt: skip
+        pipeline.run_schedule(
+            chunks,
+            acts,
+            pipeline.Pipe.from_mesh(m),
+            list(ids.chunk(2)),
+            list(tgt.chunk(2)),
+            (2, 6, GPT2.hidden),
+            recv_timeout=1.0,
+        )
     except pipeline.PipelineTimeout as e:
         return False, str(e).split(": the stages")[0]
     return True, "the step finished"
@@ -228,81 +238,129 @@ def check_pipeline() -> tuple[bool, str]:
 BUGS: dict[str, Bug] = {
     b.name: b
     for b in [
-        Bug("no_backward_allreduce", "f (copy_to_tp_region) forgets the all-reduce in backward",
+        Bug(
+            "no_backward_allreduce",
+            "f (copy_to_tp_region) forgets the all-reduce in backward",
             lambda: _patched(tp_ops.CopyToTPRegion, "backward", staticmethod(_copy_backward_local)),
-            check_tp_step, 2,
+            check_tp_step,
+            2,
             "forward and loss identical; the gradient of every layer in front of an f differs "
             "from tp=1 (with a vocab-parallel head: all of them); loss curves drift apart slowly",
             "seed §2.2 (f's backward all-reduce) and §5.3 (列并行层反向忘了AllReduce输入梯度); "
-            "Megatron-LM copy_to_tensor_model_parallel_region"),
-        Bug("wrong_group", "f̄ all-reduces over every rank instead of the TP group",
-            lambda: _patched(tp_ops.ReduceFromTPRegion, "forward", staticmethod(_reduce_forward_world)),
-            check_two_groups, 4,
+            "Megatron-LM copy_to_tensor_model_parallel_region",
+        ),
+        Bug(
+            "wrong_group",
+            "f̄ all-reduces over every rank instead of the TP group",
+            lambda: _patched(
+                tp_ops.ReduceFromTPRegion, "forward", staticmethod(_reduce_forward_world)
+            ),
+            check_two_groups,
+            4,
             "fine with one TP group; with tp 2 × dp 2 the activations of different data replicas "
             "are summed: loss wrong from step 0, or a hang if the groups' schedules differ",
             "seed §5.3 (AllReduce用错了group, TP and global group mixed up); a common 3D-parallel "
-            "mistake (default group instead of the TP group)"),
-        Bug("sp_norm_grads_unsynced", "sequence parallel: LayerNorm/bias gradients not all-reduced",
+            "mistake (default group instead of the TP group)",
+        ),
+        Bug(
+            "sp_norm_grads_unsynced",
+            "sequence parallel: LayerNorm/bias gradients not all-reduced",
             lambda: _patched(gpt, "allreduce_sequence_parallel_grads", _sync_nothing),
-            check_sp_step, 2,
+            check_sp_step,
+            2,
             "loss identical; only norm weights/biases and row-parallel biases have the wrong "
             "gradient; replicated norms drift apart across ranks over steps",
-            "Megatron-LM #1446, gpt-neox #1257"),
-        Bug("padded_vocab_unmasked", "padding columns of the vocab-parallel logits not masked",
+            "Megatron-LM #1446, gpt-neox #1257",
+        ),
+        Bug(
+            "padded_vocab_unmasked",
+            "padding columns of the vocab-parallel logits not masked",
             lambda: _patched(vocab_parallel, "_mask_padding", _no_padding_mask),
-            check_tp_step, 2,
+            check_tp_step,
+            2,
             "loss too high by log(1 + n_pad·e^(-m)/S) whenever vocab % tp != 0 (fine when it "
             "divides); probability mass on ids that do not exist",
             "not in the seeds (a course addition from practice): Megatron-LM pads the vocabulary "
-            "(make_vocab_size_divisible_by) and masks the padding"),
-        Bug("argmax_one_shard", "greedy decoding: argmax over this rank's vocabulary shard",
+            "(make_vocab_size_divisible_by) and masks the padding",
+        ),
+        Bug(
+            "argmax_one_shard",
+            "greedy decoding: argmax over this rank's vocabulary shard",
             lambda: _patched(vocab_parallel, "vocab_parallel_argmax", _argmax_one_shard),
-            check_argmax, 2,
+            check_argmax,
+            2,
             "training is fine; generated text differs per rank and from tp=1 (each rank emits "
             "its own shard's best token)",
-            "seed §5.5"),
-        Bug("fused_qkv_naive_split", "fused [q|k|v] weight chunked into t row blocks",
+            "seed §5.5",
+        ),
+        Bug(
+            "fused_qkv_naive_split",
+            "fused [q|k|v] weight chunked into t row blocks",
             lambda: _patched(attention, "split_qkv", _split_qkv_naive),
-            check_tp_step, 2,
+            check_tp_step,
+            2,
             "runs without error (the shapes fit); loss at tp>1 differs from tp=1 at step 0 and "
             "trains to a worse model",
-            "not in the seeds: Megatron-LM / HF checkpoint conversion issues (fused QKV layout)"),
-        Bug("kv_wrong_replica", "tp > KV heads: rank r takes KV head r mod nkv, not r // (tp/nkv)",
+            "not in the seeds: Megatron-LM / HF checkpoint conversion issues (fused QKV layout)",
+        ),
+        Bug(
+            "kv_wrong_replica",
+            "tp > KV heads: rank r takes KV head r mod nkv, not r // (tp/nkv)",
             lambda: _patched(attention, "local_heads", _local_heads_modulo),
-            check_gqa_step, 4,
+            check_gqa_step,
+            4,
             "GQA model at tp > n_kv_heads: queries attend with another group's keys; loss "
             "differs from tp=1 at step 0",
-            "Megatron-LM/picotron assert nkv % tp == 0 instead; vLLM/SGLang replicate"),
-        Bug("kv_replica_grads_unsynced", "replicated KV heads' gradients never summed",
-            lambda: _patched(attention.ParallelAttention, "allreduce_replicated_kv_grads",
-                             _no_kv_sync),
-            check_gqa_step, 4,
+            "Megatron-LM/picotron assert nkv % tp == 0 instead; vLLM/SGLang replicate",
+        ),
+        Bug(
+            "kv_replica_grads_unsynced",
+            "replicated KV heads' gradients never summed",
+            lambda: _patched(
+                attention.ParallelAttention, "allreduce_replicated_kv_grads", _no_kv_sync
+            ),
+            check_gqa_step,
+            4,
             "loss identical at step 0; KV weight gradients are partial; the replicas of a KV "
             "head drift apart from step 1",
-            "Megatron-LM GQA with tp > num_query_groups"),
-        Bug("seed_tp_groups", "TP groups built as in the second seed (same tp_rank: never a TP group)",
+            "Megatron-LM GQA with tp > num_query_groups",
+        ),
+        Bug(
+            "seed_tp_groups",
+            "TP groups built as in the second seed (same tp_rank: never a TP group)",
             lambda: _patched(mesh.Layout, "tp_groups", _seed_tp_groups),
-            check_mesh_groups, 4,
+            check_mesh_groups,
+            4,
             "at dp = pp = 1 each 'TP group' is one rank: tpedu silently runs the unsharded model "
             "on every rank (right loss, no memory saved; the seed's layers, sized by a fixed "
             "tp_size, sum nothing and are wrong from step 0); with dp > 1 a 'TP group' holds "
             "ranks with different batches: loss wrong from step 0",
-            "second seed §4.1, its new_group loop"),
-        Bug("pipeline_warmup_reversed", "1F1B warm-up counted from the wrong end (s, not p-1-s)",
+            "second seed §4.1, its new_group loop",
+        ),
+        Bug(
+            "pipeline_warmup_reversed",
+            "1F1B warm-up counted from the wrong end (s, not p-1-s)",
             lambda: _patched(schedules, "one_f_one_b", _one_f_one_b_reversed),
-            check_pipeline, 2,
+            check_pipeline,
+            2,
             "hang: stage 0 waits for a gradient, stage 1 for an activation; with a timeout, "
             "PipelineTimeout naming both",
-            "pipeline schedule bugs (send/recv order mismatch)"),
-        Bug("dropout_rank_masks", "dropout seeded per rank in replicated regions",
+            "pipeline schedule bugs (send/recv order mismatch)",
+        ),
+        Bug(
+            "dropout_rank_masks",
+            "dropout seeded per rank in replicated regions",
             lambda: _patched(gpt, "index_dropout", _dropout_per_rank),
-            check_dropout_step, 2,
+            check_dropout_step,
+            2,
             "fine with dropout 0 or in eval; in training the replicated residual stream differs "
             "across ranks, loss differs from tp=1, replicated weights drift apart",
             "not in the seeds: Megatron-LM's CUDA RNG tracker (model-parallel vs data-parallel "
-            "seeds)"),
+            "seeds)",
+        ),
     ]
-}  # fmt: skip
+}
+
 
 def broken(name: str) -> contextlib.AbstractContextManager:
     """The broken variant `name` (a context manager that monkeypatches one thing in tpedu)."""

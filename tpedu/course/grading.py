@@ -1,4 +1,5 @@
-"""Graded exercises: choose which implementation the tests and notebooks use, and score it.
+"""Course infrastructure: graded exercises: choose which implementation the tests and notebooks
+use, and score it.
 
 `exercises/X.py` (the learner's stubs) and `solutions/X.py` (the reference) have the same names.
 Tests never import either directly; they call `implementation("X")`, which follows the

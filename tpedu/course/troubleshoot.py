@@ -1,4 +1,4 @@
-"""Tools for "my tensor-parallel run is wrong (or stuck): where?" (lesson 15).
+"""Lesson 15: tools for "my tensor-parallel run is wrong (or stuck): where?".
 
 The strongest check there is: the same model, the same batch, once dense and once tensor
 parallel, compared gradient by gradient. A bug in a TP region shows up in exactly the
@@ -69,8 +69,10 @@ class Comparison:
                 continue
             flag = "  <-" if d > TOLERANCE else ""
             lines.append(f"{name:<28} {a:>12.4e} {b:>12.4e} {d:>9.1e}{flag}")
-        lines.append(f"loss dense {self.loss_dense:.6f}  tp {self.loss_tp:.6f}  "
-                     f"rel diff {self.loss_diff:.1e}")  # fmt: skip
+        lines.append(
+            f"loss dense {self.loss_dense:.6f}  tp {self.loss_tp:.6f}  "
+            f"rel diff {self.loss_diff:.1e}"
+        )
         return "\n".join(lines)
 
 
@@ -146,9 +148,14 @@ def debug_env(backend: str = "nccl") -> dict[str, str]:
     """
     env = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL", "TORCH_SHOW_CPP_STACKTRACES": "1"}
     if backend == "nccl":
-        env.update({"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,COLL",
-                    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
-                    "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"})  # fmt: skip
+        env.update(
+            {
+                "NCCL_DEBUG": "INFO",
+                "NCCL_DEBUG_SUBSYS": "INIT,COLL",
+                "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+                "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+            }
+        )
     return env
 
 

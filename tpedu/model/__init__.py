@@ -1,9 +1,9 @@
 """Lessons 07–13: the GPT: what it is, its dense reference, its tensor-parallel form, its shard map.
 
-    config  GPTConfig: every choice that fixes the shapes and the arithmetic (GPT-2 or Llama-style)
+    config  GPTConfig: what fixes the shapes and arithmetic, GPT-2- or Llama-style (lesson 07)
     dense   DenseGPT: the plain-torch, single-process reference model (lesson 07)
-    gpt     TPGPT: the tensor-parallel GPT built from a DenseGPT's state dict, also as pipeline
-            stages (lesson 07; sequence parallelism 08, recomputation 09, pipeline stages 10)
+    gpt     TPGPT: the tensor-parallel GPT, built from a DenseGPT's state dict (lesson 07; sequence
+            parallelism: 08, recomputation: 09, pipeline stages: 10)
     state   the shard map: how every parameter is split and replicated, with the one set of split
             and merge rules (lesson 13, used from lesson 07 on)
 

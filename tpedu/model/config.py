@@ -1,4 +1,12 @@
-"""TODO"""
+"""Lesson 07: `GPTConfig`, everything that fixes a GPT's shapes and arithmetic.
+
+One config expresses GPT-2 (LayerNorm, learned positions, GELU, tied embeddings, biases) and a
+Llama-style model (RMSNorm, RoPE, SwiGLU, grouped-query attention, no biases), plus the choices
+later lessons add: `sequence_parallel` (lesson 08), `recompute` (lesson 09), `stage_split`
+(lesson 10) and `overlap_comm` (lesson 14). `check(tp)` raises a ValueError naming the problem
+when the config cannot run at tp, and `to_dict` / `from_dict` are what model directories and
+checkpoints store.
+"""
 
 from __future__ import annotations
 
@@ -65,8 +73,10 @@ class GPTConfig:
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"recompute must be one of {RECOMPUTE}, got {self.recompute!r}")
         if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"dropout = {self.dropout} must be in [0, 1): the probability of "
-                             "zeroing an activation (1 would zero them all)")  # fmt: skip
+            raise ValueError(
+                f"dropout = {self.dropout} must be in [0, 1): the probability of "
+                "zeroing an activation (1 would zero them all)"
+            )
         check_divisible(self.ffn, tp, "ffn_hidden")
         if self.sequence_parallel:  # the batch's own s is checked again at run time
             check_sequence_length(self.seq_len, tp)
@@ -86,6 +96,12 @@ class GPTConfig:
 
     @classmethod
     def llama_like(cls, vocab_size: int, **overrides: object) -> GPTConfig:
-        base = {"norm": "rmsnorm", "position": "rope", "activation": "swiglu", "bias": False,
-                "n_kv_heads": 2, "tie_embeddings": False}  # fmt: skip
+        base = {
+            "norm": "rmsnorm",
+            "position": "rope",
+            "activation": "swiglu",
+            "bias": False,
+            "n_kv_heads": 2,
+            "tie_embeddings": False,
+        }
         return cls(vocab_size, **{**base, **overrides})

@@ -1,4 +1,9 @@
-"""TODO"""
+"""Lesson 07: `DenseGPT`, the single-process reference GPT (plain torch, no communication).
+
+Pre-norm blocks of tpedu.tp.dense's DenseAttention and DenseMLP, with the same index-based
+dropout as the tensor-parallel model, so a `TPGPT` built from a DenseGPT's state dict computes
+the same function and can be compared with it gradient by gradient.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +14,7 @@ from torch import nn
 from tpedu.model.config import GPTConfig
 from tpedu.tp.dense import DenseAttention, DenseMLP
 from tpedu.tp.dropout import derive_seed, index_dropout
-from tpedu.train.data.batches import IGNORE
+from tpedu.tp.vocab_parallel import IGNORE
 
 # Dropout call sites owned by the model (the attention and MLP modules own theirs).
 EMBEDDING_DROPOUT_SITE, ATTENTION_OUTPUT_DROPOUT_SITE = 11, 12
@@ -30,12 +35,24 @@ class DenseBlock(nn.Module):
         self.p = config.dropout
         self.norm1, self.norm2 = make_norm(config), make_norm(config)
         rope = config.rope_theta if config.position == "rope" else None
-        self.attn = DenseAttention(config.hidden, config.n_heads, config.kv_heads,
-                                   bias=config.bias, dropout_p=config.dropout,
-                                   dropout_seed=self.seed, rope_theta=rope,
-                                   fused=config.fused_attention)  # fmt: skip
-        self.mlp = DenseMLP(config.hidden, config.ffn, config.activation, config.bias,
-                            output_dropout=config.dropout, seed=self.seed)  # fmt: skip
+        self.attn = DenseAttention(
+            config.hidden,
+            config.n_heads,
+            config.kv_heads,
+            bias=config.bias,
+            dropout_p=config.dropout,
+            dropout_seed=self.seed,
+            rope_theta=rope,
+            fused=config.fused_attention,
+        )
+        self.mlp = DenseMLP(
+            config.hidden,
+            config.ffn,
+            config.activation,
+            config.bias,
+            output_dropout=config.dropout,
+            seed=self.seed,
+        )
 
     def forward(self, x: torch.Tensor, step: int = 0) -> torch.Tensor:
         a = self.attn(self.norm1(x), step)
@@ -71,8 +88,9 @@ class DenseGPT(nn.Module):
             x = block(x, step)
         return self.norm_f(x)
 
-    def forward(self, ids: torch.Tensor, targets: torch.Tensor | None = None,
-                step: int = 0) -> torch.Tensor:  # fmt: skip
+    def forward(
+        self, ids: torch.Tensor, targets: torch.Tensor | None = None, step: int = 0
+    ) -> torch.Tensor:
         """Logits [b, s, V]; with `targets` [b, s], the mean loss over non-IGNORE targets."""
         h = self.hidden_states(ids, step)
         head = self.tok_emb.weight if self.lm_head is None else self.lm_head.weight

@@ -1,4 +1,5 @@
-"""A GPT in two forms: `DenseGPT` (plain torch, one process) and `TPGPT` (tensor parallel).
+"""Lesson 07: a GPT in two forms: `DenseGPT` (plain torch, one process) and `TPGPT` (tensor
+parallel).
 
 One config expresses GPT-2 (LayerNorm, learned positions, GELU, tied embeddings, biases) and a
 Llama-style model (RMSNorm, RoPE, SwiGLU, grouped-query attention, no biases). `TPGPT` is built
@@ -54,8 +55,7 @@ from tpedu.tp.sequence_parallel import (
     sequence_offset,
     sequence_parallel_params,
 )
-from tpedu.tp.vocab_parallel import gather_logits, vocab_parallel_cross_entropy
-from tpedu.train.data.batches import IGNORE
+from tpedu.tp.vocab_parallel import IGNORE, gather_logits, vocab_parallel_cross_entropy
 
 
 def _embed_sequence_parallel(model: TPGPT, ids: torch.Tensor, step: int) -> torch.Tensor:
@@ -88,9 +88,14 @@ class TPBlock(nn.Module):
     recompute: "none", "selective" (attention core) or "full" (only x is kept for backward).
     """
 
-    def __init__(self, dense: DenseBlock, group: dist.ProcessGroup | None,
-                 sequence_parallel: bool = False, recompute: str = "none",
-                 overlap_comm: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self,
+        dense: DenseBlock,
+        group: dist.ProcessGroup | None,
+        sequence_parallel: bool = False,
+        recompute: str = "none",
+        overlap_comm: bool = False,
+    ) -> None:
         super().__init__()
         if recompute not in RECOMPUTE:
             raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
@@ -98,16 +103,25 @@ class TPBlock(nn.Module):
         self.sequence_parallel, self.recompute = sequence_parallel, recompute
         # Replicated: the same on every rank (copies: the TP model must not share the dense one's).
         self.norm1, self.norm2 = copy.deepcopy(dense.norm1), copy.deepcopy(dense.norm2)
-        self.attn = ParallelAttention.from_dense(dense.attn, group,
-                                                 sequence_parallel=sequence_parallel,
-                                                 recompute_core=recompute == "selective")  # fmt: skip
+        self.attn = ParallelAttention.from_dense(
+            dense.attn,
+            group,
+            sequence_parallel=sequence_parallel,
+            recompute_core=recompute == "selective",
+        )
         self.mlp = ParallelMLP.from_dense(dense.mlp, group, sequence_parallel=sequence_parallel)
         # Bitwise the same results; only the backward's timeline changes (SwiGLU's shared f and
         # sequence parallelism keep their own paths).
         self.attn.async_grad_allreduce = self.mlp.fc1.async_grad_allreduce = overlap_comm
         if sequence_parallel:
-            mark_sequence_parallel([*self.norm1.parameters(), *self.norm2.parameters(),
-                                    self.attn.out_proj.bias, self.mlp.fc2.bias])  # fmt: skip
+            mark_sequence_parallel(
+                [
+                    *self.norm1.parameters(),
+                    *self.norm2.parameters(),
+                    self.attn.out_proj.bias,
+                    self.mlp.fc2.bias,
+                ]
+            )
 
     def forward(self, x: torch.Tensor, step: int = 0) -> torch.Tensor:
         if self.recompute == "full" and torch.is_grad_enabled():
@@ -142,8 +156,9 @@ class TPGPT(nn.Module):
     rank's sequence shard [b, s/t, H]; ids, targets, logits and loss are as above.
     """
 
-    def __init__(self, dense: DenseGPT, group: dist.ProcessGroup | None = None,
-                 layers: range | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, dense: DenseGPT, group: dist.ProcessGroup | None = None, layers: range | None = None
+    ) -> None:
         super().__init__()
         config = dense.config
         self.config, self.group = config, group
@@ -186,15 +201,20 @@ class TPGPT(nn.Module):
         self._copies = self._count_copies()
 
     @classmethod
-    def from_state_dict(cls, config: GPTConfig, state: dict[str, torch.Tensor],
-                        group: dist.ProcessGroup | None = None) -> TPGPT:  # fmt: skip
+    def from_state_dict(
+        cls,
+        config: GPTConfig,
+        state: dict[str, torch.Tensor],
+        group: dist.ProcessGroup | None = None,
+    ) -> TPGPT:
         """Shard a dense state dict (e.g. loaded from disk, the same on every rank)."""
         dense = DenseGPT(config)
         dense.load_state_dict(state)
         return cls(dense, group)
 
-    def forward(self, inputs: torch.Tensor, targets: torch.Tensor | None = None,
-                step: int = 0) -> torch.Tensor:  # fmt: skip
+    def forward(
+        self, inputs: torch.Tensor, targets: torch.Tensor | None = None, step: int = 0
+    ) -> torch.Tensor:
         """ids [b, s] (first stage) or hidden [b, s, H] -> logits / loss (last) or hidden."""
         sp = self.sequence_parallel
         if self.first:  # vocab-parallel: 1 all-reduce (SP: 1 reduce-scatter)
@@ -302,4 +322,3 @@ class TPGPT(nn.Module):
             rows = self.config.vocab_size if e.kind == "vocab" else None
             out[e.name] = merge_shards(shards.chunk(self.tp), e.kind, self.config, rows)
         return out
-

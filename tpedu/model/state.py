@@ -1,4 +1,4 @@
-"""Lesson 13 (used from lesson 07 on): the shard map. For every parameter of a rank's model: its
+"""Lesson 13: the shard map (used from lesson 07 on). For every parameter of a rank's model: its
 dense name (DenseGPT's state-dict key), how it is split over the TP group, and how many ranks
 hold a copy of each element. One walker (`shard_map`) serves the dense state-dict gather
 (`TPGPT.gather_state_dict`), the gradient norm's replica counts (`TPGPT.squared_grad_sum`),
@@ -38,7 +38,7 @@ from tpedu.model.config import GPTConfig
 from tpedu.model.dense import DenseGPT
 from tpedu.tp.attention import local_heads, qkv_rows, split_qkv
 from tpedu.tp.embedding import vocab_range
-from tpedu.tp.sharding import check_divisible
+from tpedu.tp.sharding import check_divisible, rank_chunk
 
 
 def merge_column(shards: list[torch.Tensor]) -> torch.Tensor:
@@ -64,8 +64,13 @@ def merge_qkv(shards: list[torch.Tensor], n_heads: int, n_kv_heads: int) -> torc
     return dense
 
 
-def split(dense: torch.Tensor, kind: str, tp: int, n_heads: int | None = None,
-          n_kv_heads: int | None = None) -> list[torch.Tensor]:  # fmt: skip
+def split(
+    dense: torch.Tensor,
+    kind: str,
+    tp: int,
+    n_heads: int | None = None,
+    n_kv_heads: int | None = None,
+) -> list[torch.Tensor]:
     """Every rank's shard of `dense` at `tp` ("column", "row" or "qkv"), the model's own rules."""
     if kind == "qkv":
         return [split_qkv(dense, n_heads, n_kv_heads, tp, r) for r in range(tp)]
@@ -74,8 +79,13 @@ def split(dense: torch.Tensor, kind: str, tp: int, n_heads: int | None = None,
     return [c.clone() for c in dense.chunk(tp, dim=dim)]
 
 
-def reshard(shards: list[torch.Tensor], kind: str, new_tp: int, n_heads: int | None = None,
-            n_kv_heads: int | None = None) -> list[torch.Tensor]:  # fmt: skip
+def reshard(
+    shards: list[torch.Tensor],
+    kind: str,
+    new_tp: int,
+    n_heads: int | None = None,
+    n_kv_heads: int | None = None,
+) -> list[torch.Tensor]:
     """Shards at tp = len(shards) -> shards at `new_tp`: merge to dense, then split again."""
     if kind == "column":
         dense = merge_column(shards)
@@ -179,8 +189,9 @@ def shard_map(model: nn.Module | Sequence[nn.Module]) -> list[Shard]:
     return out
 
 
-def split_tensor(dense: torch.Tensor, kind: str, tp: int, rank: int,
-                 config: GPTConfig) -> torch.Tensor:  # fmt: skip
+def split_tensor(
+    dense: torch.Tensor, kind: str, tp: int, rank: int, config: GPTConfig
+) -> torch.Tensor:
     """Rank `rank`'s shard of `dense` at tensor-parallel size `tp` (a copy; no communication).
 
     The same rules as the model's layers: column [out, in] -> [out/t, in], row [out, in] ->
@@ -191,9 +202,8 @@ def split_tensor(dense: torch.Tensor, kind: str, tp: int, rank: int,
         return dense.detach().clone()
     if kind in ("column", "row"):
         dim = 0 if kind == "column" else 1
-        check_divisible(dense.shape[dim], tp, f"dim {dim} of a {kind}-parallel tensor")
-        n = dense.shape[dim] // tp
-        return dense.detach().narrow(dim, rank * n, n).clone().contiguous()
+        what = f"dim {dim} of a {kind}-parallel tensor"
+        return rank_chunk(dense.detach(), dim, rank, tp, what).clone().contiguous()
     if kind == "qkv":
         return split_qkv(dense, config.n_heads, config.kv_heads, tp, rank)
     if kind == "vocab":
@@ -205,8 +215,9 @@ def split_tensor(dense: torch.Tensor, kind: str, tp: int, rank: int,
     raise ValueError(f"unknown sharding kind {kind!r}; expected one of {KINDS}")
 
 
-def merge_shards(shards: Sequence[torch.Tensor], kind: str, config: GPTConfig,
-                 rows: int | None = None) -> torch.Tensor:  # fmt: skip
+def merge_shards(
+    shards: Sequence[torch.Tensor], kind: str, config: GPTConfig, rows: int | None = None
+) -> torch.Tensor:
     """The dense tensor from every tp rank's shard, in rank order (the inverse of split_tensor).
 
     `rows` (vocab only): the real vocabulary size, so the padding rows are dropped.

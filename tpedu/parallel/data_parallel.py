@@ -1,5 +1,5 @@
-"""Data parallelism (数据并行): every DP rank holds the same model, sees its own slice of the
-batch, and the gradients are averaged before the optimizer step.
+"""Lesson 11: data parallelism (数据并行): every DP rank holds the same model, sees its own slice of
+the batch, and the gradients are averaged before the optimizer step.
 
     DataParallel(model, group)   gradient all-reduce in buckets, launched from backward hooks
     ZeRO1(param_groups, group)   optimizer states sharded over the DP ranks (ZeRO stage 1)
@@ -47,8 +47,9 @@ def assign_buckets(numels: Sequence[int], bucket_numel: int) -> list[list[int]]:
     return buckets + [current] if current else buckets
 
 
-def allreduce_bucket(grads: Sequence[torch.Tensor],
-                     group: dist.ProcessGroup | None = None) -> list[torch.Tensor]:  # fmt: skip
+def allreduce_bucket(
+    grads: Sequence[torch.Tensor], group: dist.ProcessGroup | None = None
+) -> list[torch.Tensor]:
     """Average tensors of any shapes over the group with ONE all-reduce: flatten them into one
     buffer, all-reduce it, divide by the group size, and cut it back into the original shapes.
     Returns new tensors (the inputs are unchanged)."""
@@ -80,14 +81,17 @@ class DataParallel:
     Every DP rank must run the same backward (same graph), so buckets start in the same order.
     """
 
-    def __init__(self, module: nn.Module, group: dist.ProcessGroup | None = None,
-                 bucket_numel: int = 2**16) -> None:  # fmt: skip
+    def __init__(
+        self, module: nn.Module, group: dist.ProcessGroup | None = None, bucket_numel: int = 2**16
+    ) -> None:
         self.module, self.group = module, group
         self.size = dist.get_world_size(group)
         self.sync = True
         params = [p for p in module.parameters() if p.requires_grad]
-        self.buckets = [_Bucket([params[i] for i in b])
-                        for b in assign_buckets([p.numel() for p in params], bucket_numel)]  # fmt: skip
+        self.buckets = [
+            _Bucket([params[i] for i in b])
+            for b in assign_buckets([p.numel() for p in params], bucket_numel)
+        ]
         self.launched: list[_Bucket] = []  # in launch order (the same on every DP rank)
         for bucket in self.buckets:
             for p in bucket.params:
@@ -151,9 +155,13 @@ class ZeRO1:
     matches plain DP bit for bit.
     """
 
-    def __init__(self, param_groups: Iterable[dict], group: dist.ProcessGroup | None = None,
-                 optimizer: type[torch.optim.Optimizer] = torch.optim.AdamW,
-                 **defaults: object) -> None:  # fmt: skip
+    def __init__(
+        self,
+        param_groups: Iterable[dict],
+        group: dist.ProcessGroup | None = None,
+        optimizer: type[torch.optim.Optimizer] = torch.optim.AdamW,
+        **defaults: object,
+    ) -> None:
         self.group = group
         self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.ranks = dist.get_process_group_ranks(group) if group is not None else None
@@ -166,8 +174,10 @@ class ZeRO1:
             self.owner[id(p)] = r
             load[r] += p.numel()
         self.params = every
-        owned = [dict(g, params=[p for p in g["params"] if self.owner[id(p)] == self.rank])
-                 for g in groups]  # fmt: skip
+        owned = [
+            dict(g, params=[p for p in g["params"] if self.owner[id(p)] == self.rank])
+            for g in groups
+        ]
         owned = [g for g in owned if g["params"]]
         self.inner = optimizer(owned, **defaults) if owned else None
         # lr schedules set g["lr"] on these; a rank without parameters keeps plain dicts
@@ -201,8 +211,12 @@ class ZeRO1:
         """Elements of optimizer state held by this rank (AdamW: 2 per owned parameter)."""
         if self.inner is None:
             return 0
-        return sum(v.numel() for s in self.inner.state.values() for v in s.values()
-                   if torch.is_tensor(v) and v.dim() > 0)  # fmt: skip
+        return sum(
+            v.numel()
+            for s in self.inner.state.values()
+            for v in s.values()
+            if torch.is_tensor(v) and v.dim() > 0
+        )
 
 
 def allreduce_grads(params: Iterable[nn.Parameter], group: dist.ProcessGroup | None = None) -> int:

@@ -1,4 +1,4 @@
-"""The 3D device mesh: which global ranks form each TP, PP and DP group.
+"""Lesson 12: the 3D device mesh: which global ranks form each TP, PP and DP group.
 
 A layout (tp, pp, dp) puts world = tp·pp·dp ranks on a grid. TP varies fastest, then PP, then
 DP:
@@ -73,18 +73,27 @@ class Layout:
 
     def tp_groups(self) -> list[list[int]]:
         """Every TP group (consecutive ranks), in a fixed order."""
-        return [[self.rank(t, p, d) for t in range(self.tp)]
-                for d in range(self.dp) for p in range(self.pp)]  # fmt: skip
+        return [
+            [self.rank(t, p, d) for t in range(self.tp)]
+            for d in range(self.dp)
+            for p in range(self.pp)
+        ]
 
     def pp_groups(self) -> list[list[int]]:
         """Every pipeline (stage 0 first), in a fixed order."""
-        return [[self.rank(t, p, d) for p in range(self.pp)]
-                for d in range(self.dp) for t in range(self.tp)]  # fmt: skip
+        return [
+            [self.rank(t, p, d) for p in range(self.pp)]
+            for d in range(self.dp)
+            for t in range(self.tp)
+        ]
 
     def dp_groups(self) -> list[list[int]]:
         """Every set of replicas of one shard, in a fixed order."""
-        return [[self.rank(t, p, d) for d in range(self.dp)]
-                for p in range(self.pp) for t in range(self.tp)]  # fmt: skip
+        return [
+            [self.rank(t, p, d) for d in range(self.dp)]
+            for p in range(self.pp)
+            for t in range(self.tp)
+        ]
 
     def emb_groups(self) -> list[list[int]]:
         """[first stage, last stage] of every pipeline (empty when pp = 1: nothing to tie)."""
@@ -92,8 +101,12 @@ class Layout:
 
     def groups(self) -> dict[str, list[list[int]]]:
         """{'tp': ..., 'pp': ..., 'dp': ..., 'emb': ...}: every group of every kind."""
-        return {"tp": self.tp_groups(), "pp": self.pp_groups(), "dp": self.dp_groups(),
-                "emb": self.emb_groups()}  # fmt: skip
+        return {
+            "tp": self.tp_groups(),
+            "pp": self.pp_groups(),
+            "dp": self.dp_groups(),
+            "emb": self.emb_groups(),
+        }
 
 
 def rank_groups(tp: int, pp: int, dp: int) -> dict[str, list[list[int]]]:
@@ -151,8 +164,10 @@ class Mesh:
 
     def __repr__(self) -> str:
         lay = self.layout
-        return (f"Mesh(rank {self.rank}: tp {self.tp_rank}/{lay.tp}, pp {self.pp_rank}/{lay.pp}, "
-                f"dp {self.dp_rank}/{lay.dp})")  # fmt: skip
+        return (
+            f"Mesh(rank {self.rank}: tp {self.tp_rank}/{lay.tp}, pp {self.pp_rank}/{lay.pp}, "
+            f"dp {self.dp_rank}/{lay.dp})"
+        )
 
 
 # ---------------------------------------------------------------------------------- pictures
@@ -182,8 +197,11 @@ def draw_layout(layout: Layout, gpus_per_node: int = 8, highlight: int = 0, ax=N
         for r in members[kind]:
             t, p, d = layout.coords(r)
             x, y = p * layout.tp + t, rows - 1 - d
-            ax.add_patch(Rectangle((x + 0.05, y + 0.05), 0.9, 0.9, fill=False, edgecolor=color,
-                                   linewidth=width))  # fmt: skip
+            ax.add_patch(
+                Rectangle(
+                    (x + 0.05, y + 0.05), 0.9, 0.9, fill=False, edgecolor=color, linewidth=width
+                )
+            )
     for p in range(1, layout.pp):
         ax.axvline(p * layout.tp, color="black", linewidth=1.5)
     ax.set_xlim(0, cols)
@@ -194,9 +212,12 @@ def draw_layout(layout: Layout, gpus_per_node: int = 8, highlight: int = 0, ax=N
     ax.set_yticklabels([f"dp {d}" for d in range(rows)])
     ax.set_aspect("equal")
     nodes = -(-layout.world // gpus_per_node)
-    ax.set_title(f"tp={layout.tp} pp={layout.pp} dp={layout.dp}: {layout.world} ranks on {nodes} "
-                 f"node(s) of {gpus_per_node} (colour = node); rank {highlight}: "
-                 "red TP, blue PP, green DP", fontsize=9)  # fmt: skip
+    ax.set_title(
+        f"tp={layout.tp} pp={layout.pp} dp={layout.dp}: {layout.world} ranks on {nodes} "
+        f"node(s) of {gpus_per_node} (colour = node); rank {highlight}: "
+        "red TP, blue PP, green DP",
+        fontsize=9,
+    )
     return ax
 
 

@@ -55,9 +55,6 @@ def tp_sizes_for_heads(n_heads: int, n_kv_heads: int | None = None) -> list[int]
     return [t for t in divisors(n_heads) if nkv % t == 0 or t % nkv == 0]
 
 
-valid_tp_sizes = tp_sizes_for_heads  # the old name; callers are moving (then remove this)
-
-
 def check_heads(n_heads: int, n_kv_heads: int | None, tp: int) -> None:
     """Raise a ValueError naming the numbers and the valid tp values unless tp can split the heads."""
     nkv = n_heads if n_kv_heads is None else n_kv_heads
@@ -180,8 +177,9 @@ class ParallelAttention(nn.Module):
         split = lambda w: split_qkv(w, n_heads, self.n_kv_heads, self.tp, self.rank)  # noqa: E731
         self.qkv_weight = nn.Parameter(split(qkv_weight))
         self.qkv_bias = nn.Parameter(split(qkv_bias)) if qkv_bias is not None else None
-        self.out_proj = RowParallelLinear(out_weight, out_bias, group, input_is_parallel=True,
-                                          sequence_parallel=sequence_parallel)  # fmt: skip
+        self.out_proj = RowParallelLinear(
+            out_weight, out_bias, group, input_is_parallel=True, sequence_parallel=sequence_parallel
+        )
 
     @classmethod
     def from_dense(
@@ -189,9 +187,21 @@ class ParallelAttention(nn.Module):
     ) -> ParallelAttention:
         """Shard a `tpedu.tp.dense.DenseAttention` (the same on every rank); kwargs:
         sequence_parallel, recompute_core."""
-        return cls(dense.qkv.weight, dense.qkv.bias, dense.out.weight, dense.out.bias,
-                   dense.n_heads, dense.n_kv_heads, group, dense.causal, dense.dropout_p,
-                   dense.dropout_seed, dense.rope_theta, fused=dense.fused, **kwargs)  # fmt: skip
+        return cls(
+            dense.qkv.weight,
+            dense.qkv.bias,
+            dense.out.weight,
+            dense.out.bias,
+            dense.n_heads,
+            dense.n_kv_heads,
+            group,
+            dense.causal,
+            dense.dropout_p,
+            dense.dropout_seed,
+            dense.rope_theta,
+            fused=dense.fused,
+            **kwargs,
+        )
 
     @property
     def kv_replicas(self) -> int:
@@ -214,8 +224,13 @@ class ParallelAttention(nn.Module):
         if self.sequence_parallel:  # all-gather the sequence; backward: reduce-scatter
             qkv = all_gather_linear(x, [self.qkv_weight], [self.qkv_bias], self.group)[0]
         else:
-            qkv = column_parallel_linear(x, self.qkv_weight, self.qkv_bias, self.group,
-                                         async_grad_allreduce=self.async_grad_allreduce)  # fmt: skip
+            qkv = column_parallel_linear(
+                x,
+                self.qkv_weight,
+                self.qkv_bias,
+                self.group,
+                async_grad_allreduce=self.async_grad_allreduce,
+            )
         b, s, _ = qkv.shape
         q, k, v = qkv.split([nq * d, nkv * d, nkv * d], dim=-1)
         q = q.view(b, s, nq, d).transpose(1, 2)  # [b, nq/t, s, d]
@@ -241,8 +256,14 @@ class ParallelAttention(nn.Module):
             v = v.repeat_interleave(nq // nkv, dim=1)
 
         seed = derive_seed(self.dropout_seed, ATTENTION_DROPOUT_SITE, step)
-        drop = lambda p: index_dropout(p, self.dropout_p, seed, (b, self.n_heads, s, s),  # noqa: E731
-                                       (0, self.q_heads[0], 0, 0), self.training)  # fmt: skip
+        drop = lambda p: index_dropout(
+            p,
+            self.dropout_p,
+            seed,
+            (b, self.n_heads, s, s),  # noqa: E731
+            (0, self.q_heads[0], 0, 0),
+            self.training,
+        )
         drops = self.training and self.dropout_p > 0  # else attend() may use the fused kernel
         out = attend(q, k, v, self.causal, self.fused, drop if drops else None)
         return out.transpose(1, 2).reshape(b, s, nq * d)  # heads stay in rank order

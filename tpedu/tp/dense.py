@@ -77,12 +77,19 @@ class DenseMLP(nn.Module):
             h = ACTIVATIONS[self.activation](self.fc1(x))
         else:
             h = F.silu(self.fc1(x)) * self.up(x)
-        h = index_dropout(h, self.hidden_dropout, derive_seed(self.seed, HIDDEN_DROPOUT_SITE, step),
-                          training=self.training)  # fmt: skip
+        h = index_dropout(
+            h,
+            self.hidden_dropout,
+            derive_seed(self.seed, HIDDEN_DROPOUT_SITE, step),
+            training=self.training,
+        )
         y = self.fc2(h)
-        return index_dropout(y, self.output_dropout, derive_seed(self.seed, OUTPUT_DROPOUT_SITE, step),
-                             training=self.training)  # fmt: skip
-
+        return index_dropout(
+            y,
+            self.output_dropout,
+            derive_seed(self.seed, OUTPUT_DROPOUT_SITE, step),
+            training=self.training,
+        )
 
 
 # ---------------------------------------------------------------------------------------------

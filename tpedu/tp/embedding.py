@@ -90,8 +90,9 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_size, self.hidden = weight.shape
         self.padded_vocab = padded_vocab(self.vocab_size, t)
         self.start, self.end = vocab_range(self.vocab_size, t, r)
-        local = torch.zeros(self.end - self.start, self.hidden, dtype=weight.dtype,
-                            device=weight.device)  # fmt: skip
+        local = torch.zeros(
+            self.end - self.start, self.hidden, dtype=weight.dtype, device=weight.device
+        )
         real = max(0, min(self.end, self.vocab_size) - self.start)  # rows that are not padding
         local[:real] = weight.detach()[self.start : self.start + real]
         self.weight = nn.Parameter(local)

@@ -169,8 +169,9 @@ class ColumnParallelLinear(nn.Module):
             )
         if self.sequence_parallel:
             return all_gather_linear(x, [self.weight], [self.bias], self.group)[0]
-        y = column_parallel_linear(x, self.weight, self.bias, self.group, self.gather_output,
-                                   self.async_grad_allreduce)  # fmt: skip
+        y = column_parallel_linear(
+            x, self.weight, self.bias, self.group, self.gather_output, self.async_grad_allreduce
+        )
         if self.gather_output and self.inverse_order is not None:
             y = y.index_select(-1, self.inverse_order)  # back to the dense feature order
         return y

@@ -64,8 +64,10 @@ class ParallelMLP(nn.Module):
         super().__init__()
         check_activation(activation)
         if (activation == "swiglu") != (up is not None):
-            raise ValueError("activation='swiglu' needs the `up` projection (and only it does); "
-                             "use ParallelMLP.swiglu(gate, up, down, group)")  # fmt: skip
+            raise ValueError(
+                "activation='swiglu' needs the `up` projection (and only it does); "
+                "use ParallelMLP.swiglu(gate, up, down, group)"
+            )
         hidden, ffn = fc1.in_features, fc1.out_features
         if (fc2.in_features, fc2.out_features) != (ffn, hidden) or (
             up is not None and (up.in_features, up.out_features) != (hidden, ffn)
@@ -103,12 +105,24 @@ class ParallelMLP(nn.Module):
         return cls(gate, down, group, activation="swiglu", up=up, **kwargs)
 
     @classmethod
-    def from_dense(cls, dense: DenseMLP, group: dist.ProcessGroup | None = None,
-                   sequence_parallel: bool = False) -> ParallelMLP:  # fmt: skip
+    def from_dense(
+        cls,
+        dense: DenseMLP,
+        group: dist.ProcessGroup | None = None,
+        sequence_parallel: bool = False,
+    ) -> ParallelMLP:
         """Shard a DenseMLP (same weights on every rank); keeps its activation and dropout."""
-        return cls(dense.fc1, dense.fc2, group, dense.activation, dense.hidden_dropout,
-                   dense.output_dropout, dense.seed, up=dense.up,
-                   sequence_parallel=sequence_parallel)  # fmt: skip
+        return cls(
+            dense.fc1,
+            dense.fc2,
+            group,
+            dense.activation,
+            dense.hidden_dropout,
+            dense.output_dropout,
+            dense.seed,
+            up=dense.up,
+            sequence_parallel=sequence_parallel,
+        )
 
     def forward(self, x: torch.Tensor, step: int = 0) -> torch.Tensor:
         """x [..., H] -> [..., H]; `step` selects this step's dropout masks.
@@ -118,8 +132,9 @@ class ParallelMLP(nn.Module):
         if self.up is None:
             h = ACTIVATIONS[self.activation](self.fc1(x))  # [..., F/t], no communication
         elif self.sequence_parallel:  # one all-gather feeds both projections
-            gate, up = all_gather_linear(x, [self.fc1.weight, self.up.weight],
-                                         [self.fc1.bias, self.up.bias], self.group)  # fmt: skip
+            gate, up = all_gather_linear(
+                x, [self.fc1.weight, self.up.weight], [self.fc1.bias, self.up.bias], self.group
+            )
             h = F.silu(gate) * up
         else:
             # One f for both projections: two would all-reduce dL/dx twice in backward.

@@ -65,8 +65,13 @@ class LinearWithAsyncGradAllreduce(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                group: dist.ProcessGroup | None) -> torch.Tensor:  # fmt: skip
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        group: dist.ProcessGroup | None,
+    ) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
         ctx.has_bias, ctx.group = bias is not None, group
         return F.linear(x, weight, bias)

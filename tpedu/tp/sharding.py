@@ -21,9 +21,6 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-valid_tp_sizes = divisors  # the old name; callers are moving to `divisors` (then remove this)
-
-
 def check_divisible(n: int, t: int, what: str) -> None:
     """Raise a ValueError naming `what`, the numbers and the valid tp values unless t divides n."""
     if t < 1 or n % t != 0:

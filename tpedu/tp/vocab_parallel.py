@@ -31,6 +31,8 @@ import torch.distributed as dist
 
 from tpedu.comm import collectives
 
+IGNORE = -100  # the target id that cross-entropy skips (padding, packing boundaries)
+
 
 def _shard_info(
     logits_shard: torch.Tensor, vocab_size: int, group: dist.ProcessGroup | None

@@ -1,1 +1,9 @@
-"""TODO."""
+"""Lessons 07–13: training the novel GPT: the data, the training loop, generation.
+
+    loop      the training loop: TP (lesson 07), 3D with pp and dp (lesson 12), checkpoints (13)
+    generate  continue a prompt with a trained model and the vocab-parallel sampler (lesson 07)
+    data      the novel and its batches: corpus, tokenizer, batches (lesson 07)
+
+`train` runs on every rank (launched by tpedu.launch, the CLI or torchrun); given `out`, it writes
+the model directory that `python -m tpedu generate` reads.
+"""

@@ -1,4 +1,10 @@
-"""TODO"""
+"""Lesson 07: generate text with a trained tensor-parallel GPT, the same ids on every rank.
+
+`generate(config, state, prompt_ids, ...)` builds a TPGPT from a dense state dict and continues
+the prompt with tpedu.tp.vocab_parallel's sampler (temperature, top-k), never from one shard's
+logits alone. `generation_config` turns off what only training needs (sequence parallelism,
+recomputation, overlap).
+"""
 
 from __future__ import annotations
 
@@ -14,8 +20,15 @@ from tpedu.tp.vocab_parallel import sample, vocab_parallel_sample
 
 
 @torch.no_grad()
-def generate(config: GPTConfig, state: dict[str, torch.Tensor], prompt_ids: list[int], max_new_tokens: int,
-             temperature: float = 0.8, top_k: int | None = 50, seed: int = 0) -> list[int]:  # fmt: skip
+def generate(
+    config: GPTConfig,
+    state: dict[str, torch.Tensor],
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    temperature: float = 0.8,
+    top_k: int | None = 50,
+    seed: int = 0,
+) -> list[int]:
     """Continue `prompt_ids` on every rank of the TP group; every rank returns the same ids.
 
     Sampling never looks at one shard's logits alone (that picks the wrong token): it uses the

@@ -1,4 +1,4 @@
-"""Train the tensor-parallel novel GPT, and generate text with it.
+"""Lesson 07: train the tensor-parallel novel GPT (`train`), and in 3D (`train_3d`, lesson 12).
 
 `train(...)` runs on every rank (launched by `tpedu.launch`, the CLI, or torchrun). Every rank
 of the TP group builds the same dense model from the same seed, shards it, draws the same batch
@@ -39,6 +39,7 @@ from tpedu.parallel.pipeline.runtime import (
 )
 from tpedu.parallel.pipeline.schedules import schedule as pipeline_schedule
 from tpedu.parallel.pipeline.schedules import stage_layers, stage_of
+from tpedu.tp.sharding import divisors
 from tpedu.train.data.batches import packed_batch
 
 
@@ -114,8 +115,14 @@ def clip_grads(params: Iterable[torch.nn.Parameter], norm: torch.Tensor, max_nor
             p.grad.mul_(scale.to(p.grad.dtype))
 
 
-def train_step(model: TPGPT, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
-               step: int, cfg: TrainConfig) -> tuple[float, float]:  # fmt: skip
+def train_step(
+    model: TPGPT,
+    opt: torch.optim.Optimizer,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    step: int,
+    cfg: TrainConfig,
+) -> tuple[float, float]:
     """One optimizer step; returns (loss, gradient norm before clipping)."""
     for g in opt.param_groups:
         g["lr"] = lr_at(step, cfg)
@@ -129,8 +136,14 @@ def train_step(model: TPGPT, opt: torch.optim.Optimizer, x: torch.Tensor, y: tor
     return loss.item(), norm.item()
 
 
-def train(config: GPTConfig, cfg: TrainConfig, train_ids: torch.Tensor, val_ids: torch.Tensor,
-          out: str | None = None, tok: object | None = None) -> dict:  # fmt: skip
+def train(
+    config: GPTConfig,
+    cfg: TrainConfig,
+    train_ids: torch.Tensor,
+    val_ids: torch.Tensor,
+    out: str | None = None,
+    tok: object | None = None,
+) -> dict:
     """Train on every rank of the default group (tp = world size); return a summary dict."""
     tp = dist.get_world_size()
     model = build_model(config, cfg.seed)
@@ -144,19 +157,27 @@ def train(config: GPTConfig, cfg: TrainConfig, train_ids: torch.Tensor, val_ids:
         return train_step(model, opt, x.to(device()), y.to(device()), k, cfg)
 
     losses, history, seconds = run_loop(
-        cfg, first, f"train tp={tp}", step,
+        cfg,
+        first,
+        f"train tp={tp}",
+        step,
         evaluate=lambda: evaluate(model, val_ids, cfg, cfg.eval_batches),
         save=lambda k: checkpoint.save_if_due(cfg, k, model, opt, tok=tok),
-    )  # fmt: skip
+    )
     summary = _summary(config, cfg, losses, history, seconds, model, tp=tp)
     if out is not None:
         _write_dense(model.gather_state_dict(), config, cfg, out, tok)
     return summary
 
 
-def run_loop(cfg: TrainConfig, first: int, desc: str, step: Callable[[int], tuple[float, float]],
-             evaluate: Callable[[], float],
-             save: Callable[[int], object]) -> tuple[list[float], list[dict], float]:  # fmt: skip
+def run_loop(
+    cfg: TrainConfig,
+    first: int,
+    desc: str,
+    step: Callable[[int], tuple[float, float]],
+    evaluate: Callable[[], float],
+    save: Callable[[int], object],
+) -> tuple[list[float], list[dict], float]:
     """The one training loop of every layout (TP only, 3D): returns (losses, history, seconds).
 
     Runs optimizer steps first .. cfg.steps-1; `step(k)` runs step k on this rank and returns
@@ -182,15 +203,27 @@ def run_loop(cfg: TrainConfig, first: int, desc: str, step: Callable[[int], tupl
     return losses, history, time.perf_counter() - start
 
 
-def _write_dense(state: dict[str, torch.Tensor], config: GPTConfig, cfg: TrainConfig,
-                 out: str | Path, tok: object | None) -> None:  # fmt: skip
+def _write_dense(
+    state: dict[str, torch.Tensor],
+    config: GPTConfig,
+    cfg: TrainConfig,
+    out: str | Path,
+    tok: object | None,
+) -> None:
     """Rank 0 writes the gathered dense state as a model directory (`train --out`)."""
     if dist.get_rank() == 0:
         write_model_dir(out, config, state, asdict(cfg), tok)
 
 
-def _summary(config: GPTConfig, cfg: TrainConfig, losses: list[float], history: list[dict],
-             seconds: float, model: torch.nn.Module, **layout: object) -> dict:  # fmt: skip
+def _summary(
+    config: GPTConfig,
+    cfg: TrainConfig,
+    losses: list[float],
+    history: list[dict],
+    seconds: float,
+    model: torch.nn.Module,
+    **layout: object,
+) -> dict:
     """The run's JSON summary: final losses, tokens/s, parameters per rank, layout, settings."""
     return {
         "final_train_loss": losses[-1] if losses else None,
@@ -211,7 +244,7 @@ def default_micro_batches(per_rank_batch: int, pp: int) -> int:
     """The largest m ≤ 2·pp dividing the per-DP-rank batch (1 without pipelining)."""
     if pp == 1:
         return 1
-    return max(m for m in range(1, min(2 * pp, per_rank_batch) + 1) if per_rank_batch % m == 0)
+    return max(m for m in divisors(per_rank_batch) if m <= 2 * pp)
 
 
 def grad_norm_3d(chunks: Sequence[TPGPT], mesh: Mesh) -> torch.Tensor:
@@ -239,10 +272,20 @@ def _replica_mean(value: torch.Tensor | None, mesh: Mesh) -> float:
     return collectives.all_reduce(t).item() / mesh.layout.dp
 
 
-def step_3d(chunks: list[TPGPT], opt: torch.optim.Optimizer, mesh: Mesh, pipe: Pipe,
-            acts: list, xs: list[torch.Tensor], ys: list[torch.Tensor], shape: tuple,
-            dtype: torch.dtype, dpar: DataParallel | None, max_norm: float,
-            step: int = 0) -> tuple[StepResult, torch.Tensor]:  # fmt: skip
+def step_3d(
+    chunks: list[TPGPT],
+    opt: torch.optim.Optimizer,
+    mesh: Mesh,
+    pipe: Pipe,
+    acts: list,
+    xs: list[torch.Tensor],
+    ys: list[torch.Tensor],
+    shape: tuple,
+    dtype: torch.dtype,
+    dpar: DataParallel | None,
+    max_norm: float,
+    step: int = 0,
+) -> tuple[StepResult, torch.Tensor]:
     """One training step of this rank's stage; returns (run_schedule's result, gradient norm).
 
     chunks: this rank's TPGPT chunks (one, or several with the interleaved schedule); xs, ys:
@@ -252,8 +295,9 @@ def step_3d(chunks: list[TPGPT], opt: torch.optim.Optimizer, mesh: Mesh, pipe: P
     (first + last stage), the TP gradient fix-ups, 2 all-reduces for the global gradient norm.
     """
     opt.zero_grad(set_to_none=True)
-    res = run_schedule(chunks, acts, pipe, xs, ys, shape, dtype, step=step,
-                       no_sync=dpar.no_sync if dpar else None)  # fmt: skip
+    res = run_schedule(
+        chunks, acts, pipe, xs, ys, shape, dtype, step=step, no_sync=dpar.no_sync if dpar else None
+    )
     if dpar is not None:
         dpar.finish()
     sync_tied_grads(chunks, mesh.emb_group)
@@ -265,10 +309,21 @@ def step_3d(chunks: list[TPGPT], opt: torch.optim.Optimizer, mesh: Mesh, pipe: P
     return res, norm
 
 
-def train_3d(config: GPTConfig, cfg: TrainConfig, train_ids: torch.Tensor, val_ids: torch.Tensor,
-             tp: int = 1, pp: int = 1, dp: int = 1, micro_batches: int | None = None,
-             zero: bool = False, kind: str = "1f1b", out: str | None = None,
-             tok: object | None = None, chunks: int = 1) -> dict:  # fmt: skip
+def train_3d(
+    config: GPTConfig,
+    cfg: TrainConfig,
+    train_ids: torch.Tensor,
+    val_ids: torch.Tensor,
+    tp: int = 1,
+    pp: int = 1,
+    dp: int = 1,
+    micro_batches: int | None = None,
+    zero: bool = False,
+    kind: str = "1f1b",
+    out: str | None = None,
+    tok: object | None = None,
+    chunks: int = 1,
+) -> dict:
     """Train with tp·pp·dp ranks (the world); the same losses as one process, step by step.
 
     `cfg.batch` is the global batch: each DP replica draws its slice of the same global batch
@@ -284,13 +339,17 @@ def train_3d(config: GPTConfig, cfg: TrainConfig, train_ids: torch.Tensor, val_i
     layout = Layout(tp, pp, dp)
     mesh = Mesh(layout)
     if cfg.batch % dp:
-        raise ValueError(f"the global batch {cfg.batch} is not divisible by dp={dp}; "
-                         f"use a batch that is a multiple of {dp}")  # fmt: skip
+        raise ValueError(
+            f"the global batch {cfg.batch} is not divisible by dp={dp}; "
+            f"use a batch that is a multiple of {dp}"
+        )
     b = cfg.batch // dp
     m = micro_batches or default_micro_batches(b, pp)
     if b % m:
-        raise ValueError(f"the per-replica batch {b} (= batch / dp) is not divisible by "
-                         f"{m} micro-batches; choose a divisor of {b}")  # fmt: skip
+        raise ValueError(
+            f"the per-replica batch {b} (= batch / dp) is not divisible by "
+            f"{m} micro-batches; choose a divisor of {b}"
+        )
     acts = pipeline_schedule(kind, m, pp, mesh.pp_rank, chunks)  # raises before any model exists
     forward_only = [("F", j, c) for c in range(chunks) for j in range(m)]
     torch.manual_seed(cfg.seed)
@@ -300,8 +359,12 @@ def train_3d(config: GPTConfig, cfg: TrainConfig, train_ids: torch.Tensor, val_i
     dpar = DataParallel(stage, mesh.dp_group) if dp > 1 else None
     if zero:
         groups = make_optimizer(stage, cfg).param_groups
-        opt = ZeRO1([{"params": g["params"], "weight_decay": g["weight_decay"]} for g in groups],
-                    mesh.dp_group, lr=cfg.lr, betas=(0.9, 0.95))  # fmt: skip
+        opt = ZeRO1(
+            [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in groups],
+            mesh.dp_group,
+            lr=cfg.lr,
+            betas=(0.9, 0.95),
+        )
     else:
         opt = make_optimizer(stage, cfg)
     from tpedu import checkpoint  # lesson 13: resume at any layout; periodic sharded saves
@@ -330,18 +393,36 @@ def train_3d(config: GPTConfig, cfg: TrainConfig, train_ids: torch.Tensor, val_i
         for g in opt.param_groups:
             g["lr"] = lr_at(k, cfg)
         xs, ys = micro(train_ids, k, cfg.seed)
-        res, norm = step_3d(chunks, opt, mesh, pipe, acts, xs, ys, shape, dtype, dpar,
-                            cfg.grad_clip, k)  # fmt: skip
+        res, norm = step_3d(
+            chunks, opt, mesh, pipe, acts, xs, ys, shape, dtype, dpar, cfg.grad_clip, k
+        )
         return _replica_mean(res.loss, mesh), norm.item()
 
     losses, history, seconds = run_loop(
-        cfg, first, f"train tp={tp} pp={pp} dp={dp}", step, evaluate=evaluate_3d,
+        cfg,
+        first,
+        f"train tp={tp} pp={pp} dp={dp}",
+        step,
+        evaluate=evaluate_3d,
         save=lambda k: checkpoint.save_if_due(cfg, k, chunks, opt, mesh=mesh, zero1=zero, tok=tok),
-    )  # fmt: skip
+    )
     stages = [[r.start, r.stop] for r in stage_layers(config, pp * len(chunks))]
-    summary = _summary(config, cfg, losses, history, seconds, stage,
-                       tp=tp, pp=pp, dp=dp, micro_batches=m, zero1=zero, schedule=kind,
-                       chunks=len(chunks), stages=stages)  # fmt: skip
+    summary = _summary(
+        config,
+        cfg,
+        losses,
+        history,
+        seconds,
+        stage,
+        tp=tp,
+        pp=pp,
+        dp=dp,
+        micro_batches=m,
+        zero1=zero,
+        schedule=kind,
+        chunks=len(chunks),
+        stages=stages,
+    )
     if out is not None:
         _write_dense(gather_pipeline_state(chunks, mesh), config, cfg, out, tok)
     return summary
@@ -367,7 +448,8 @@ def gather_pipeline_state(chunks: Sequence[TPGPT], mesh: Mesh) -> dict[str, torc
     for s in range(1, pp):
         src = mesh.members["pp"][s]
         for name in sorted(n for n in shapes if stage_of(n, config, pp, len(chunks)) == s):
-            buf = torch.empty(shapes[name].shape, dtype=state["tok_emb.weight"].dtype,
-                              device=device())  # fmt: skip
+            buf = torch.empty(
+                shapes[name].shape, dtype=state["tok_emb.weight"].dtype, device=device()
+            )
             state[name] = collectives.recv(buf, src, mesh.pp_group)
     return state

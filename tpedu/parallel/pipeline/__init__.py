@@ -1,4 +1,10 @@
-"""Pipeline parallelism (lesson 10): pure schedules, and the runtime that runs them on ranks."""
+"""Lesson 10: pipeline parallelism: pure schedules, and the runtime that runs them on ranks.
+
+    schedules  stage partition, GPipe / 1F1B / interleaved schedules, bubble, simulation, timeline
+    runtime    Pipe, run_schedule (the schedule on real ranks), stage chunks, tied-embedding grads
+
+Every public name of both is re-exported here.
+"""
 
 from tpedu.parallel.pipeline.runtime import (
     Pipe,

@@ -1,4 +1,12 @@
-"""TODO"""
+"""Lesson 10: run a pipeline schedule on real ranks: each stage's actions, sends and receives.
+
+`run_schedule` executes this rank's list of actions (tpedu.parallel.pipeline.schedules) on its
+model chunks: forwards receive the previous stage's activations and send theirs on, backwards
+send the gradient w.r.t. their input back, and it returns the loss, the event log and the peak
+number of micro-batches in flight. `Pipe` is this rank's place in one pipeline (from a
+tpedu.parallel.mesh.Mesh), `build_stage_chunks` cuts a DenseGPT into this rank's TPGPT chunks,
+and `sync_tied_grads` sums the gradients of a tied embedding's two copies (first and last stage).
+"""
 
 from __future__ import annotations
 
@@ -162,8 +170,9 @@ def run_schedule(
     return StepResult(total, events, peak)
 
 
-def build_stage_chunks(dense: nn.Module, tp_group: dist.ProcessGroup | None, stage: int,
-                       stages: int, chunks: int = 1) -> list[nn.Module]:  # fmt: skip
+def build_stage_chunks(
+    dense: nn.Module, tp_group: dist.ProcessGroup | None, stage: int, stages: int, chunks: int = 1
+) -> list[nn.Module]:
     """This rank's TPGPT chunks: chunk c holds the layers of virtual stage c·stages + stage."""
     from tpedu.model.gpt import TPGPT
 

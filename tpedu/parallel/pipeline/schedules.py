@@ -1,4 +1,5 @@
-"""Pipeline parallelism (流水线并行): layers split into stages, micro-batches flow through them.
+"""Lesson 10: pipeline parallelism (流水线并行): layers split into stages, micro-batches flow
+through them.
 
     stage 0: embedding + blocks[0:a]  ──activation──▶  stage 1: blocks[a:b]  ──▶ ... ──▶
     stage p-1: blocks[..:n] + final norm + head + loss
@@ -153,8 +154,10 @@ def interleaved(n_micro: int, n_stages: int, stage: int, chunks: int) -> list[Ac
 
 def _check(n_micro: int, n_stages: int, stage: int) -> None:
     if n_micro < 1 or n_stages < 1 or not 0 <= stage < n_stages:
-        raise ValueError(f"need n_micro ≥ 1, n_stages ≥ 1, 0 ≤ stage < n_stages; got "
-                         f"n_micro={n_micro}, n_stages={n_stages}, stage={stage}")  # fmt: skip
+        raise ValueError(
+            f"need n_micro ≥ 1, n_stages ≥ 1, 0 ≤ stage < n_stages; got "
+            f"n_micro={n_micro}, n_stages={n_stages}, stage={stage}"
+        )
 
 
 def schedule(kind: str, n_micro: int, n_stages: int, stage: int, chunks: int = 1) -> list[Action]:
@@ -164,8 +167,10 @@ def schedule(kind: str, n_micro: int, n_stages: int, stage: int, chunks: int = 1
     or (interleaved) micro-batches not divisible by the stages: calling it is the check.
     """
     if kind in ("gpipe", "1f1b") and chunks != 1:
-        raise ValueError(f"{chunks} chunks per rank need the 'interleaved' schedule "
-                         f"('{kind}' runs one chunk per rank)")  # fmt: skip
+        raise ValueError(
+            f"{chunks} chunks per rank need the 'interleaved' schedule "
+            f"('{kind}' runs one chunk per rank)"
+        )
     if kind == "gpipe":
         return gpipe(n_micro, n_stages, stage)
     if kind == "1f1b":
@@ -192,8 +197,9 @@ class Event:
     end: float
 
 
-def simulate(schedules: Sequence[Sequence[Action]], forward: float = 1.0,
-             backward: float = 1.0) -> list[Event]:  # fmt: skip
+def simulate(
+    schedules: Sequence[Sequence[Action]], forward: float = 1.0, backward: float = 1.0
+) -> list[Event]:
     """Run per-stage schedules on an ideal clock (F costs `forward`/v, B `backward`/v, free
     communication); returns the compute events. Raises if the schedules deadlock or are
     incomplete (a forward or backward missing, or a backward before its forward)."""
@@ -263,8 +269,15 @@ def plot_timeline(events: Sequence[Event], title: str = "", ax=None):  # noqa: A
         color = "lightgrey" if e.kind == "wait" else shades[e.kind][e.chunk % 2]
         ax.barh(e.stage, e.end - e.start, left=e.start - t0, color=color, edgecolor="white")
         if e.kind != "wait":
-            ax.text((e.start + e.end) / 2 - t0, e.stage, str(e.micro), ha="center",
-                    va="center", fontsize=7, color="white")  # fmt: skip
+            ax.text(
+                (e.start + e.end) / 2 - t0,
+                e.stage,
+                str(e.micro),
+                ha="center",
+                va="center",
+                fontsize=7,
+                color="white",
+            )
     ax.invert_yaxis()
     stages = sorted({e.stage for e in events})
     ax.set_yticks(stages)

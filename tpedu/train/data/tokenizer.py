@@ -1,5 +1,5 @@
-"""Two tokenizers for the novel, and the trade-off the seed warns about (§5.5: a small vocabulary
-leaves characters unknown; a large one costs embedding memory).
+"""Lesson 07: two tokenizers for the novel, and the trade-off the seed warns about (§5.5: a small
+vocabulary leaves characters unknown; a large one costs embedding memory).
 
 - `CharTokenizer`: one id per character seen in training text. Small vocabulary (≈4.5 k for
   红楼梦), but a character never seen in training becomes <unk>.
@@ -58,8 +58,10 @@ class CharTokenizer:
         return "".join(self.itos[i] if i > 1 else ("" if i == 0 else "�") for i in ids)
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps({"kind": "char", "chars": self.itos[2:]}, ensure_ascii=False),
-                              encoding="utf-8")  # fmt: skip
+        Path(path).write_text(
+            json.dumps({"kind": "char", "chars": self.itos[2:]}, ensure_ascii=False),
+            encoding="utf-8",
+        )
 
 
 class BPETokenizer:
@@ -104,8 +106,9 @@ class BPETokenizer:
         return self.tok.decode(ids)
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps({"kind": "bpe", "tokenizer": self.tok.to_str()}),
-                              encoding="utf-8")  # fmt: skip
+        Path(path).write_text(
+            json.dumps({"kind": "bpe", "tokenizer": self.tok.to_str()}), encoding="utf-8"
+        )
 
 
 def load(path: str | Path) -> CharTokenizer | BPETokenizer:
@@ -118,8 +121,9 @@ def load(path: str | Path) -> CharTokenizer | BPETokenizer:
     raise ValueError(f"{path} is not a tpedu tokenizer file (kind={data.get('kind')!r})")
 
 
-def build(text: str, kind: str = "char", vocab_size: int = 8192,
-          cache_dir: str | Path | None = None) -> CharTokenizer | BPETokenizer:  # fmt: skip
+def build(
+    text: str, kind: str = "char", vocab_size: int = 8192, cache_dir: str | Path | None = None
+) -> CharTokenizer | BPETokenizer:
     """Train a tokenizer on `text`, or load it from `cache_dir` if this exact one was trained."""
     if kind not in ("char", "bpe"):
         raise ValueError(f"tokenizer kind must be 'char' or 'bpe', got {kind!r}")
