@@ -6,8 +6,8 @@ bug in the broken twin (its source is printed in the notebook, and marked `# BUG
 tpedu/course/bugzoo.py, but try first from the symptom alone), then write the FIXED function here.
 
 Communicate only through tpedu.comm.collectives (so the tests' tracer sees it). Run `make grade`.
-The references are in tpedu/ (tp_ops.py, vocab_parallel.py, attention.py, mesh.py,
-pipeline.py); the solutions re-export them.
+The references are in tpedu/tp/ (operators.py, vocab_parallel.py, attention.py) and
+tpedu/parallel/ (mesh.py, pipeline/schedules.py); the solutions re-export them.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Reference for exercises/l15_bug_hunt.py."""
 
-# the references live in tpedu/tp/operators.py, vocab_parallel.py, attention.py, mesh.py, pipeline.py
+# the references live in tpedu/tp/ (operators, vocab_parallel, attention) and tpedu/parallel/
+# (mesh, pipeline/schedules)
 from tpedu.parallel.mesh import Layout
 from tpedu.parallel.pipeline.schedules import one_f_one_b
 from tpedu.tp.attention import local_heads

@@ -393,22 +393,7 @@ def test_cli_train_resume_at_another_layout(tmp_path, capsys):
     the uninterrupted run's (float32 CLI training: reordered sums, ~1e-7 relative per step)."""
     from tpedu.cli.commands import main
 
-    small = [
-        "--layers",
-        "2",
-        "--hidden",
-        "32",
-        "--heads",
-        "4",
-        "--seq",
-        "16",
-        "--batch",
-        "4",
-        "--steps",
-        "4",
-        "--eval-every",
-        "0",
-    ]
+    small = "--layers 2 --hidden 32 --heads 4 --seq 16 --batch 4 --steps 4 --eval-every 0".split()
     ck, j1, j2 = tmp_path / "ck", tmp_path / "a.json", tmp_path / "b.json"
     assert (
         main(

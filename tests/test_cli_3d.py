@@ -17,22 +17,7 @@ import pytest
 from tpedu.cli.commands import main
 from tpedu.launcher import free_port
 
-SMALL = [
-    "--layers",
-    "2",
-    "--hidden",
-    "32",
-    "--heads",
-    "4",
-    "--seq",
-    "16",
-    "--batch",
-    "4",
-    "--steps",
-    "3",
-    "--eval-every",
-    "1",
-]
+SMALL = "--layers 2 --hidden 32 --heads 4 --seq 16 --batch 4 --steps 3 --eval-every 1".split()
 
 
 def tpedu(capfd, *args):

@@ -19,20 +19,7 @@ from tpedu.model.dense import DenseGPT
 from tpedu.train.data.corpus import novel_data
 from tpedu.train.generate import generate
 
-TINY = [
-    "--layers",
-    "1",
-    "--hidden",
-    "32",
-    "--heads",
-    "2",
-    "--seq",
-    "16",
-    "--batch",
-    "2",
-    "--steps",
-    "1",
-]
+TINY = "--layers 1 --hidden 32 --heads 2 --seq 16 --batch 2 --steps 1".split()
 
 
 def one_line_error(capfd, args, message):

@@ -6,22 +6,7 @@ import sys
 
 import pytest
 
-SMALL = [
-    "--layers",
-    "1",
-    "--hidden",
-    "32",
-    "--heads",
-    "4",
-    "--seq",
-    "32",
-    "--batch",
-    "4",
-    "--steps",
-    "4",
-    "--eval-every",
-    "2",
-]
+SMALL = "--layers 1 --hidden 32 --heads 4 --seq 32 --batch 4 --steps 4 --eval-every 2".split()
 
 
 def tpedu(*args, torchrun=None, timeout=300):

@@ -48,7 +48,7 @@ import torch._dynamo  # noqa: F401  (see below)
 import torch.distributed as dist
 from torch import nn
 
-from tpedu.analysis.memory import RECOMPUTE, activation_bytes_per_layer
+from tpedu.analysis.memory import RECOMPUTE, activation_bytes_per_layer, ledger
 from tpedu.analysis.shape import ModelShape
 from tpedu.model.config import GPTConfig
 from tpedu.model.dense import DenseBlock
@@ -433,8 +433,6 @@ def calculator_overlay(config: ModelShape, settings: dict) -> tuple[str, float] 
     activation bytes per device tpedu really saves at the chosen shape and layout (the ledger's
     activations scaled by measured / formula per layer), which the calculator draws over its
     predicted bar."""
-    from tpedu.analysis.memory import ledger
-
     text, formula, measured = _measure_for_calculator(config, settings)
     if formula is None:
         return text

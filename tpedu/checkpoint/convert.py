@@ -15,11 +15,11 @@ import json
 from pathlib import Path
 
 import torch
-import torch._dynamo  # noqa: F401 - the optimizers import it (≈3-5 s): once here, not per forked rank
 from safetensors.torch import save_file
 
 import tpedu
 from tpedu.checkpoint.files import CheckpointError, _export_tmp, replace_dir
+from tpedu.checkpoint.hf import hf_config, state_to_hf
 from tpedu.checkpoint.sharded import (
     FORMAT,
     _finalize,
@@ -154,8 +154,6 @@ def reshard(
 def _tokenizer(step_dir: Path) -> object | None:
     if not (step_dir / "tokenizer.json").exists():
         return None
-    from tpedu.train.data import tokenizer
-
     return tokenizer.load(step_dir / "tokenizer.json")
 
 
@@ -241,9 +239,7 @@ def import_dense(
 def export_hf(src: str | Path, out: str | Path) -> Path:
     """A GPT-2-shaped checkpoint -> a Hugging Face directory (`GPT2LMHeadModel.from_pretrained`):
     config.json and model.safetensors (tied lm_head omitted, as transformers saves it)."""
-    from safetensors.torch import save_file
-
-    from tpedu.checkpoint.hf import hf_config, state_to_hf
+    from safetensors.torch import save_file  # looked up per call: tests replace it
 
     config, tensors, _ = read_dense(src)
     state = state_to_hf({k: v for k, v in tensors.items() if "/" not in k}, config)

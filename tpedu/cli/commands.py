@@ -21,7 +21,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from tpedu.checkpoint.convert import load_model_files
 from tpedu.cli import checks
 from tpedu.cli.checks import fail
 from tpedu.cli.parser import build_parser
@@ -29,9 +28,6 @@ from tpedu.comm import collectives as C
 from tpedu.comm import cost_model
 from tpedu.launcher import LaunchTimeout, RankError, device, run
 from tpedu.model.config import GPTConfig
-from tpedu.train.data.corpus import novel_data
-from tpedu.train.generate import generate, generation_config
-from tpedu.train.loop import TrainConfig, train, train_3d
 
 
 def hello() -> dict:
@@ -104,6 +100,11 @@ def _three_d(args: argparse.Namespace) -> bool:
 
 
 def _train(args: argparse.Namespace) -> int:
+    # here, not at import: the training stack costs ~0.6 s that hello, reshard and every
+    # refused input would pay
+    from tpedu.train.data.corpus import novel_data
+    from tpedu.train.loop import TrainConfig, train, train_3d
+
     saved = checks.read_resume(args)  # with --resume, the checkpoint's model config
     if _three_d(args):
         checks.check_layout(args, saved.n_layers if saved else args.layers)
@@ -223,6 +224,9 @@ def _reshard(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    from tpedu.checkpoint.convert import load_model_files
+    from tpedu.train.generate import generate, generation_config
+
     try:
         config, state, tok = load_model_files(args.model)
         config = generation_config(config)  # a model trained with --sequence-parallel too

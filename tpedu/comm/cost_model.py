@@ -24,6 +24,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from tpedu.comm import collectives as C
 from tpedu.comm.volumes import ring_bytes, ring_steps
 from tpedu.launcher import device
 
@@ -97,8 +98,6 @@ def measure(
 
     Returns the median over `repeats` of the slowest rank's time, the same on every rank.
     """
-    from tpedu.comm import collectives as C  # here, not at import: collectives imports this module
-
     t = dist.get_world_size(group)
     itemsize = torch.empty((), dtype=dtype).element_size()
     dev = device()

@@ -26,6 +26,8 @@ import torch.distributed as dist
 
 from tpedu.comm import collectives
 from tpedu.launcher import device
+from tpedu.model.dense import DenseGPT
+from tpedu.model.gpt import TPGPT
 
 # float64: a correct TP model differs from dense only by reordered sums (~1e-16 relative per
 # operation, ~1e-15 after a few layers); a bug changes results at the 1e-3..1 level.
@@ -93,9 +95,6 @@ def compare_with_dense(
     `sync_grads()` as a training step does, then gathers the TP gradients into the dense layout
     (all-gathers) and compares each parameter's gradient with the dense one.
     """
-    from tpedu.model.dense import DenseGPT
-    from tpedu.model.gpt import TPGPT
-
     torch.manual_seed(seed)
     dense = DenseGPT(config).to(dtype)
     model = TPGPT(dense, group).to(dtype)
@@ -198,9 +197,6 @@ def reduction_order_gap(
     correct TP model differs from the dense one by about as much as the dense one differs from
     the exact (float64) loss, because TP only reorders sums (partial matmuls, then an all-reduce).
     """
-    from tpedu.model.dense import DenseGPT
-    from tpedu.model.gpt import TPGPT
-
     torch.manual_seed(0)
     dense = DenseGPT(config)
     dev = device()

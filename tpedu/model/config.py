@@ -13,9 +13,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from tpedu.tp.attention import check_heads
-from tpedu.tp.sequence_parallel import (
-    check_sequence_length,
-)
+from tpedu.tp.sequence_parallel import check_sequence_length
 from tpedu.tp.sharding import check_divisible
 
 RECOMPUTE = ("none", "selective", "full")

@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
-import torch._dynamo  # noqa: F401 - the optimizers import it (≈3-5 s): once here, not per forked rank
 
 from tpedu.launcher import device
 from tpedu.model.config import GPTConfig

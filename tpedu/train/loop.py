@@ -23,6 +23,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from tpedu.checkpoint.convert import write_model_dir
+from tpedu.checkpoint.sharded import resume_from, save_if_due  # lesson 13
 from tpedu.comm import collectives
 from tpedu.launcher import device
 from tpedu.model.config import GPTConfig
@@ -148,9 +149,7 @@ def train(
     tp = dist.get_world_size()
     model = build_model(config, cfg.seed)
     opt = make_optimizer(model, cfg)
-    from tpedu import checkpoint  # lesson 13: resume at any layout; periodic sharded saves
-
-    first = checkpoint.resume_from(cfg, model, opt)  # 0 unless cfg.resume
+    first = resume_from(cfg, model, opt)  # 0 unless cfg.resume
 
     def step(k: int) -> tuple[float, float]:
         x, y = packed_batch(train_ids, cfg.batch, config.seq_len, k, cfg.seed)
@@ -162,7 +161,7 @@ def train(
         f"train tp={tp}",
         step,
         evaluate=lambda: evaluate(model, val_ids, cfg, cfg.eval_batches),
-        save=lambda k: checkpoint.save_if_due(cfg, k, model, opt, tok=tok),
+        save=lambda k: save_if_due(cfg, k, model, opt, tok=tok),
     )
     summary = _summary(config, cfg, losses, history, seconds, model, tp=tp)
     if out is not None:
@@ -367,9 +366,7 @@ def train_3d(
         )
     else:
         opt = make_optimizer(stage, cfg)
-    from tpedu import checkpoint  # lesson 13: resume at any layout; periodic sharded saves
-
-    first = checkpoint.resume_from(cfg, chunks, opt)  # 0 unless cfg.resume
+    first = resume_from(cfg, chunks, opt)  # 0 unless cfg.resume
     pipe = Pipe.from_mesh(mesh)
     seq = config.seq_len // (tp if getattr(config, "sequence_parallel", False) else 1)
     shape, dtype = (b // m, seq, config.hidden), next(stage.parameters()).dtype
@@ -404,7 +401,7 @@ def train_3d(
         f"train tp={tp} pp={pp} dp={dp}",
         step,
         evaluate=evaluate_3d,
-        save=lambda k: checkpoint.save_if_due(cfg, k, chunks, opt, mesh=mesh, zero1=zero, tok=tok),
+        save=lambda k: save_if_due(cfg, k, chunks, opt, mesh=mesh, zero1=zero, tok=tok),
     )
     stages = [[r.start, r.stop] for r in stage_layers(config, pp * len(chunks))]
     summary = _summary(

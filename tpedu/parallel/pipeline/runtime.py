@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tpedu.comm import collectives
+from tpedu.model.gpt import TPGPT
 from tpedu.parallel.pipeline.schedules import Action, Event, _parts, stage_layers
 
 
@@ -174,8 +175,6 @@ def build_stage_chunks(
     dense: nn.Module, tp_group: dist.ProcessGroup | None, stage: int, stages: int, chunks: int = 1
 ) -> list[nn.Module]:
     """This rank's TPGPT chunks: chunk c holds the layers of virtual stage c·stages + stage."""
-    from tpedu.model.gpt import TPGPT
-
     parts = stage_layers(dense.config, stages * chunks)
     return [TPGPT(dense, tp_group, layers=parts[c * stages + stage]) for c in range(chunks)]
 
