@@ -31,10 +31,8 @@ Two parameter counts, for two purposes:
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from tpedu.model.config import GPTConfig
+from tpedu.model.config import GPTConfig, Widths
 
 
 def embedding_params(vocab: int, hidden: int) -> int:
@@ -90,7 +88,7 @@ def gpt_params(
 
 
 @dataclass(frozen=True, kw_only=True)
-class ModelShape:
+class ModelShape(Widths):
     """A GPT-2-style model's shape and the micro-batch it trains on (see the module docstring).
 
     Keyword-only. The defaults are a 6.6B-parameter GPT (h 4096, 32 layers and heads, V 50,000)
@@ -140,14 +138,6 @@ class ModelShape:
             "tie_embeddings": c.tie_embeddings,
         }
         return cls(**{**fields, **overrides})
-
-    @property
-    def kv_heads(self) -> int:
-        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
-
-    @property
-    def ffn(self) -> int:
-        return 4 * self.hidden if self.ffn_hidden is None else self.ffn_hidden
 
     @property
     def head_dim(self) -> int:

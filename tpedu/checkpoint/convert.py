@@ -26,6 +26,7 @@ from tpedu.checkpoint.sharded import (
     _prepare,
     _Reader,
     _write_shard,
+    layout_entry,
     read_config,
     read_index,
     resolve,
@@ -107,13 +108,7 @@ def write_sharded(
 
     config.check(tp)
     stages = stage_layers(config, pp)  # raises if pp does not fit the layers
-    layout = {
-        "tp": tp,
-        "pp": pp,
-        "dp": dp,
-        "zero1": zero1,
-        "stages": [[r.start, r.stop] for r in stages],
-    }
+    layout = layout_entry(tp, pp, dp, zero1, stages)
     tmp = _prepare(Path(root), step)
     for p in range(pp):
         for t in range(tp):

@@ -230,6 +230,21 @@ def _header(
     }
 
 
+def layout_entry(
+    tp: int, pp: int, dp: int, zero1: bool, stages: list[range], chunks: int = 1
+) -> dict:
+    """The index's "layout": sizes, ZeRO-1, and the layers of each (virtual) stage; virtual
+    stage c·pp + s is on pp rank s ("chunks" > 1 only with the interleaved schedule)."""
+    return {
+        "tp": tp,
+        "pp": pp,
+        "dp": dp,
+        "zero1": zero1,
+        **({"chunks": chunks} if chunks > 1 else {}),  # absent: 1
+        "stages": [[r.start, r.stop] for r in stages],
+    }
+
+
 def save(
     root: str | Path,
     model: TPGPT | Sequence[TPGPT],
@@ -259,17 +274,8 @@ def save(
         tp, pp, dp = lay.tp, lay.pp, lay.dp
         coords = (mesh.tp_rank, mesh.pp_rank, mesh.dp_rank)
 
-    # stages: the layers of each virtual stage; virtual stage c·pp + s is on pp rank s (chunks
-    # > 1 only with the interleaved schedule)
     virtual = stage_layers(config, pp * len(chunks))
-    layout = {
-        "tp": tp,
-        "pp": pp,
-        "dp": dp,
-        "zero1": zero1,
-        **({"chunks": len(chunks)} if len(chunks) > 1 else {}),  # absent: 1
-        "stages": [[r.start, r.stop] for r in virtual],
-    }
+    layout = layout_entry(tp, pp, dp, zero1, virtual, len(chunks))
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     tmp = Path(root) / f".tmp-{step_name(step)}"
     error: BaseException | None = None

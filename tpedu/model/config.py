@@ -19,8 +19,26 @@ from tpedu.tp.sharding import check_divisible
 RECOMPUTE = ("none", "selective", "full")
 
 
+class Widths:
+    """`kv_heads` and `ffn` of a shape whose `n_kv_heads` / `ffn_hidden` may be None (plain
+    multi-head attention, 4 · hidden): GPTConfig's and tpedu.analysis.shape.ModelShape's."""
+
+    n_heads: int
+    hidden: int
+    n_kv_heads: int | None
+    ffn_hidden: int | None
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def ffn(self) -> int:
+        return 4 * self.hidden if self.ffn_hidden is None else self.ffn_hidden
+
+
 @dataclass
-class GPTConfig:
+class GPTConfig(Widths):
     """Everything that fixes the model's shapes and arithmetic."""
 
     vocab_size: int
@@ -45,14 +63,6 @@ class GPTConfig:
     fused_attention: bool = True  # flash attention (SDPA) whenever no dropout mask is drawn
     overlap_comm: bool = False  # TPGPT: f's backward all-reduce overlapped with dL/dW (lesson 14)
     stage_split: str = "even"  # pipeline: "even" blocks per stage, or "flops" (head counted)
-
-    @property
-    def kv_heads(self) -> int:
-        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
-
-    @property
-    def ffn(self) -> int:
-        return 4 * self.hidden if self.ffn_hidden is None else self.ffn_hidden
 
     def check(self, tp: int = 1) -> None:
         """Raise a ValueError naming the problem (and the fix) if this config cannot run at `tp`."""
