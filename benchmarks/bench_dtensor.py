@@ -9,8 +9,9 @@ tpedu / DTensor so machine noise hits both; medians of the slowest rank. Also pr
 tpedu's ranks spend inside collectives (waiting included) and a single process using 2 threads
 (the most a 2-core machine offers without any communication). Both models run the same
 attention core: flash attention (F.scaled_dot_product_attention) by default, the explicit
-softmax(q·kᵀ/√d)·v with --explicit. --overlap runs tpedu with GPTConfig(overlap_comm=True);
---sp runs both with sequence parallelism (tpedu's sequence_parallel, DTensor's SequenceParallel).
+softmax(q·kᵀ/√d)·v with --explicit (DenseGPT's and dtensor_gpt.GPT's fused_attention=False).
+--overlap runs tpedu's TPGPT with overlap_comm=True; --sp runs both with sequence parallelism
+(TPGPT's sequence_parallel=True, DTensor's SequenceParallel).
 
 "no-comm" is tpedu's step with every collective skipped (wrong numbers, right compute; on a
 separate copy of the model): the time no overlap or faster network could beat, so no-comm /
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import resource
 import statistics
 import time
@@ -88,13 +88,18 @@ def kernel_time(step: Callable[[], None], steps: int = 3) -> tuple[float, float]
     return (after.ru_stime - before.ru_stime) / steps, (after.ru_minflt - before.ru_minflt) / steps
 
 
-def worker(reps: int, sp: bool, config: GPTConfig) -> dict:
+def worker(
+    reps: int, sp: bool, config: GPTConfig, fused: bool = True, overlap: bool = False
+) -> dict:
+    """One rank: both models (sequence parallel with `sp`, attention fused or explicit, tpedu's
+    f overlapped with `overlap`), their first losses, interleaved step times, comm, kernel time."""
     tp = dist.get_world_size()
     mesh = init_device_mesh("cpu", (tp,))
     torch.manual_seed(0)
-    dense = DenseGPT(config)
-    ours, floor = TPGPT(dense, None), TPGPT(dense, None)
-    theirs = GPT(config)
+    dense = DenseGPT(config, fused_attention=fused)
+    options = {"sequence_parallel": sp, "overlap_comm": overlap}
+    ours, floor = TPGPT(dense, None, **options), TPGPT(dense, None, **options)
+    theirs = GPT(config, fused_attention=fused)
     copy_dense(theirs, dense)
     parallelize(theirs, mesh, sequence_parallel=sp)
     opt_ours = torch.optim.AdamW(ours.parameters(), lr=1e-4)
@@ -144,9 +149,9 @@ def worker(reps: int, sp: bool, config: GPTConfig) -> dict:
     return {"first_loss": first, "times": times, "comm": statistics.median(comm), "kernel": kernel}
 
 
-def single(reps: int, config: GPTConfig) -> float:
+def single(reps: int, config: GPTConfig, fused: bool = True) -> float:
     torch.manual_seed(0)
-    dense = DenseGPT(config)
+    dense = DenseGPT(config, fused_attention=fused)
     opt = torch.optim.AdamW(dense.parameters(), lr=1e-4)
     ids, tgt = batch(config)
     times = []
@@ -168,12 +173,7 @@ def main() -> None:
     ap.add_argument("--explicit", action="store_true", help="explicit attention in both models")
     ap.add_argument("--overlap", action="store_true", help="tpedu with overlap_comm=True")
     args = ap.parse_args()
-    c = dataclasses.replace(
-        CONFIG,
-        fused_attention=not args.explicit,
-        overlap_comm=args.overlap,
-        sequence_parallel=args.sp,
-    )
+    c, fused = CONFIG, not args.explicit
     print(
         f"model: {c.n_layers} layers, d {c.hidden}, {c.n_heads} heads, vocab {c.vocab_size}, "
         f"seq {c.seq_len}, batch {BATCH}, fp32, AdamW; torch {torch.__version__}, gloo"
@@ -191,7 +191,9 @@ def main() -> None:
     )
     kernels = []
     for tp in args.tp:
-        r = tpedu.launch(worker, tp, args.reps, args.sp, c, timeout=1800, backend=BACKEND)[0]
+        r = tpedu.launch(
+            worker, tp, args.reps, args.sp, c, fused, args.overlap, timeout=1800, backend=BACKEND
+        )[0]
         loss_t, loss_d = r["first_loss"]["tpedu"], r["first_loss"]["dtensor"]
         if abs(loss_t - loss_d) > 1e-5 * abs(loss_d):  # fp32, same sums reordered: ~1e-7
             raise SystemExit(
@@ -219,7 +221,7 @@ def main() -> None:
     )
     print("kernel time per step, rank 0 (page faults of fresh buffers, socket calls):")
     print("\n".join(kernels))
-    one = tpedu.launch(single, 1, args.reps, c, threads=2, backend=BACKEND)[0]
+    one = tpedu.launch(single, 1, args.reps, c, fused, threads=2, backend=BACKEND)[0]
     print(f"single process, 2 threads, dense model: {1e3 * one:.1f} ms per step")
     print(load())
 

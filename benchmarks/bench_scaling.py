@@ -6,7 +6,8 @@ the α-β model's predicted communication time next to the measured one, and the
 
 A layout is tp x pp x dp. STRONG scaling: every layout trains on the same global batch
 (harness.BATCH sequences): dp splits it, pp splits each replica's share into m micro-batches
-(train.default_micro_batches: the largest m <= 2·pp dividing it). One step is train_3d's:
+(train.default_micro_batches: the largest m <= 2·pp dividing it). One step is train's 3D step
+(train.loop.step_3d):
 pipelined forward + backward (run_schedule, 1F1B), DP bucket all-reduces launched from backward
 hooks, TP gradient fix-ups, gradient norm + clipping, AdamW; the first step's loss is printed
 (the same at every layout, up to rounding).
@@ -23,7 +24,6 @@ timeline: 1 - (F+B time summed over stages) / (stages · span), next to (p-1)/(m
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import statistics
 import time
 
@@ -108,17 +108,20 @@ def worker(
     kind: str = "1f1b",
     fit_sizes: tuple[int, ...] = FIT_SIZES,
     n_chunks: int = 1,
+    split: str = "even",
 ) -> dict:
-    """One rank of a tp·pp·dp layout: fits, first loss, a traced step, `reps` timed steps."""
+    """One rank of a tp·pp·dp layout: fits, first loss, a traced step, `reps` timed steps.
+    `split`: blocks per pipeline stage, "even" or "flops" (ParallelConfig.stage_split)."""
     mesh = Mesh(Layout(tp, pp, dp))
     dev = tpedu.device()
     b = BATCH // dp
     m = micro or default_micro_batches(b, pp)
     fits = fit_group_sizes(mesh, fit_sizes)
     torch.manual_seed(0)
+    dense = DenseGPT(config)
     chunks = [
         c.to(dev)
-        for c in build_stage_chunks(DenseGPT(config), mesh.tp_group, mesh.pp_rank, pp, n_chunks)
+        for c in build_stage_chunks(dense, mesh.tp_group, mesh.pp_rank, pp, n_chunks, split)
     ]
     stage = torch.nn.ModuleList(chunks)  # all of this rank's parameters
     dpar = DataParallel(stage, mesh.dp_group) if dp > 1 else None
@@ -133,7 +136,7 @@ def worker(
 
     dtype = next(stage.parameters()).dtype
 
-    def step():  # noqa: ANN202 - train_3d's step, at a fixed learning rate
+    def step():  # noqa: ANN202 - train's 3D step, at a fixed learning rate
         return step_3d(chunks, opt, mesh, pipe, acts, xs, ys, shape, dtype, dpar, cfg.grad_clip)[0]
 
     first = step().loss
@@ -180,6 +183,7 @@ def run_layout(
     kind: str = "1f1b",
     fit_sizes: tuple[int, ...] = FIT_SIZES,
     n_chunks: int = 1,
+    split: str = "even",
 ) -> dict:
     """Launch the layout and reduce the ranks' results to one table row (plus the raw ranks)."""
     ranks = tpedu.launch(
@@ -194,6 +198,7 @@ def run_layout(
         kind,
         fit_sizes,
         n_chunks,
+        split,
         timeout=1800,
         backend=BACKEND,
     )
@@ -281,9 +286,8 @@ def main() -> None:
         (lay, split) for lay in layouts for split in a.stage_split[: 1 if lay.pp == 1 else None]
     ]
     for lay, split in runs:
-        config = dataclasses.replace(c, stage_split=split)
-        r = run_layout(config, lay, a.reps, a.micro_batches, a.schedule, n_chunks=a.chunks)
-        r["config"] = config
+        r = run_layout(c, lay, a.reps, a.micro_batches, a.schedule, n_chunks=a.chunks, split=split)
+        r["split"] = split
         rows.append(r)
         base = r["step"] if lay.world == 1 else base
         speed = f"{base / r['step']:>8.2f}" if base else f"{'-':>8}"
@@ -305,7 +309,7 @@ def main() -> None:
         "traced bytes; calls on groups of 2+ ranks). bubble: (p-1)/(v·m+p-1), v chunks per "
         "rank; meas.: from run_schedule's timeline; stage F+B ms: compute of each stage (TP "
         "comm inside included). split: blocks per pipeline stage, even or by FLOPs "
-        "(GPTConfig.stage_split)."
+        "(ParallelConfig.stage_split)."
     )
     for r in rows:
         lay = r["layout"]
@@ -313,7 +317,7 @@ def main() -> None:
             f"group of {g}: α {1e6 * ab.alpha:.0f} us, β⁻¹ {ab.bandwidth / 1e9:.2f} GB/s"
             for g, ab in r["fits"].items()
         )
-        blocks = [len(b) for b in stage_layers(r["config"], lay.pp * a.chunks)]
+        blocks = [len(b) for b in stage_layers(c, lay.pp * a.chunks, r["split"])]
         busy = (
             "; stage F+B ms: "
             + " ".join(f"{1e3 * s:.0f}" for s in r["stage_busy"])
@@ -321,7 +325,7 @@ def main() -> None:
             if lay.pp > 1
             else ""
         )
-        split = f" {r['config'].stage_split}" if lay.pp > 1 else ""
+        split = f" {r['split']}" if lay.pp > 1 else ""
         print(f"{lay.tp}x{lay.pp}x{lay.dp}{split}: {fits or 'no communication fit (1 rank)'}{busy}")
     print(load())
 

@@ -1,13 +1,14 @@
 """The benchmark GPT written for PyTorch's native tensor parallelism (DTensor).
 
 Same shapes, parameters and arithmetic as tpedu's DenseGPT with CONFIG (LayerNorm, learned
-positions, GELU, biases, untied head, the same explicit softmax attention), but with separate
+positions, GELU, biases, untied head, the same attention core), but with separate
 q/k/v projections: `ColwiseParallel` splits a weight into t row blocks, which would cut a fused
 [q|k|v] matrix in the wrong places (lesson 05's bug). `parallelize` applies the plan that
 torchtitan uses for Llama: ColwiseParallel / RowwiseParallel, a vocab-parallel embedding and
 head, loss_parallel, and optionally SequenceParallel for the norms. The attention core runs on
 local tensors (ColwiseParallel hands back this rank's heads), so it can call the same fused
-kernel as tpedu: `fused=True` uses F.scaled_dot_product_attention, as tpedu does without dropout.
+kernel as tpedu: `GPT(config, fused_attention=True)` (the default, like DenseGPT's) uses
+F.scaled_dot_product_attention, as tpedu does without dropout; False, the explicit softmax.
 """
 
 from __future__ import annotations
@@ -29,12 +30,12 @@ from tpedu.model.config import GPTConfig
 
 
 class Block(nn.Module):
-    def __init__(self, c: GPTConfig) -> None:
+    def __init__(self, c: GPTConfig, fused_attention: bool = True) -> None:
         super().__init__()
         h = c.hidden
         self.head_dim = h // c.n_heads
         self.norm1, self.norm2 = nn.LayerNorm(h), nn.LayerNorm(h)
-        self.attn = Attention(h, self.head_dim, c.fused_attention)
+        self.attn = Attention(h, self.head_dim, fused_attention)
         self.mlp = MLP(h, c.ffn)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -71,11 +72,11 @@ class MLP(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, c: GPTConfig) -> None:
+    def __init__(self, c: GPTConfig, fused_attention: bool = True) -> None:
         super().__init__()
         self.tok_emb = nn.Embedding(c.vocab_size, c.hidden)
         self.pos_emb = nn.Embedding(c.seq_len, c.hidden)
-        self.blocks = nn.ModuleList(Block(c) for _ in range(c.n_layers))
+        self.blocks = nn.ModuleList(Block(c, fused_attention) for _ in range(c.n_layers))
         self.norm_f = nn.LayerNorm(c.hidden)
         self.lm_head = nn.Linear(c.hidden, c.vocab_size, bias=False)
         self.positions: tuple[int, int] | None = None  # SP: (first, count) of this rank's rows

@@ -27,7 +27,8 @@ from tpedu.model.config import GPTConfig
 from tpedu.model.dense import DenseGPT
 from tpedu.model.gpt import TPGPT
 from tpedu.model.state import shard_map
-from tpedu.train.loop import TrainConfig, train, train_3d
+from tpedu.parallel.config import ParallelConfig
+from tpedu.train.loop import TrainConfig, train
 
 V = 41  # prime: the vocab-parallel table is padded at tp = 2 (42 rows) and 4 (44)
 # Tied embeddings (+ the last stage's copy at pp > 1), biases, learned positions, and GQA with a
@@ -103,7 +104,7 @@ GRID = [
 def _train_3d_f64(config, c, tp, pp, dp, zero):
     torch.set_default_dtype(torch.float64)
     tr, va = data()
-    return train_3d(config, c, tr, va, tp, pp, dp, zero=zero)
+    return train(config, c, tr, va, parallel=ParallelConfig(tp, pp, dp, zero=int(zero)))
 
 
 def _resume_all(config, jobs, tp, pp, dp, zero):
@@ -362,7 +363,9 @@ def test_export_dense_and_hf_and_import(grid, tmp_path):
     gpt2 = GPTConfig.gpt2_like(V, seq_len=8, n_layers=2, hidden=16, n_heads=2)
     torch.manual_seed(0)
     dense = DenseGPT(gpt2).double()
-    ck = checkpoint.write_sharded(tmp_path / "g", gpt2, dense.state_dict(), 7, tp=2, pp=2)
+    ck = checkpoint.write_sharded(
+        tmp_path / "g", gpt2, dense.state_dict(), 7, ParallelConfig(tp=2, pp=2)
+    )
     hf = transformers.GPT2LMHeadModel.from_pretrained(checkpoint.export_hf(ck, tmp_path / "hf"))
     ids = torch.randint(0, V, (2, 8), generator=torch.Generator().manual_seed(0))
     diff = (hf.double().eval()(ids).logits - dense(ids)).abs().max().item()

@@ -54,26 +54,13 @@ def same(got, ref):
 
 
 def test_train_2x2x2_plainly_on_8_ranks(reference, tmp_path, capfd):
-    code, out, err = tpedu(
-        capfd,
-        "train",
-        "--tp",
-        "2",
-        "--pp",
-        "2",
-        "--dp",
-        "2",
-        *SMALL,
-        "--stage-split",
-        "flops",
-        "--json",
-        str(tmp_path / "s.json"),
-    )
+    args = ["train", *"--tp 2 --pp 2 --dp 2".split(), *SMALL, "--stage-split", "flops"]
+    code, out, err = tpedu(capfd, *args, "--json", str(tmp_path / "s.json"))
     assert code == 0, err
     summary = json.loads(out[out.index("{") :])
     assert (summary["tp"], summary["pp"], summary["dp"]) == (2, 2, 2)
     assert summary["stages"] == [[0, 1], [1, 2]]  # 2 blocks on 2 stages: one each, head or not
-    assert summary["settings"]["model"]["stage_split"] == "flops"
+    assert summary["settings"]["parallel"]["stage_split"] == "flops"
     same(read_summary(tmp_path / "s.json"), reference)
 
 
@@ -137,7 +124,7 @@ def test_two_node_torchrun_on_loopback(reference, tmp_path):
             "--micro-batches 3 does not divide the per-replica batch 4",
         ),
         (
-            ["--tp", "1", "--pp", "2", "--chunks", "2", *SMALL],
+            ["--tp", "1", "--pp", "2", "--chunks", "2", "--schedule", "interleaved", *SMALL],
             "--pp 2 --chunks 2: 2 layers cannot be split over 4 stages",
         ),
         (

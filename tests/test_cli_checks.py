@@ -86,13 +86,14 @@ def tiny_config(vocab_size, **overrides):
     )
 
 
-def write_model_dir(path, config, tok=None):
-    """A dense model directory as `train --out` writes it (random weights, seed 0)."""
+def write_model_dir(path, config, tok=None, **legacy):
+    """A dense model directory as `train --out` writes it (random weights, seed 0); `legacy`:
+    fields tpedu 0.1 also kept in the model config."""
     torch.manual_seed(0)
     state = DenseGPT(config).state_dict()
     path.mkdir(parents=True)
     save_file({k: v.contiguous() for k, v in state.items()}, path / "model.safetensors")
-    meta = {"model": config.to_dict(), "train": {}, "format": "tpedu-dense-1"}
+    meta = {"model": {**config.to_dict(), **legacy}, "train": {}, "format": "tpedu-dense-1"}
     (path / "config.json").write_text(json.dumps(meta))
     if tok is not None:
         tok.save(path / "tokenizer.json")
@@ -100,26 +101,16 @@ def write_model_dir(path, config, tok=None):
 
 
 def test_generate_with_a_sequence_parallel_model(tmp_path, capfd):
-    """config.json keeps sequence_parallel: true; generation turns it off (the growing sequence
-    is not always divisible by tp) and samples the same tokens as the model without it."""
+    """A tpedu 0.1 model directory whose config.json says sequence_parallel: true (a run-time
+    field inside the model config): generation ignores it (the growing sequence is not always
+    divisible by tp) and samples the same tokens as the model without it."""
     tok = novel_data("char")[0]
-    config = tiny_config(tok.vocab_size, sequence_parallel=True)
-    state = write_model_dir(tmp_path / "sp", config, tok)
-    code, out, err = tpedu(
-        capfd,
-        "generate",
-        "--tp",
-        "2",
-        "--model",
-        str(tmp_path / "sp"),
-        "--prompt",
-        "宝玉",
-        "--max-new-tokens",
-        "5",
-    )
+    config = tiny_config(tok.vocab_size)
+    state = write_model_dir(tmp_path / "sp", config, tok, sequence_parallel=True)
+    args = "generate --tp 2 --prompt 宝玉 --max-new-tokens 5".split()
+    code, out, err = tpedu(capfd, *args, "--model", str(tmp_path / "sp"))
     assert code == 0, err
-    plain = tiny_config(tok.vocab_size)
-    ids = launch(generate, 1, plain, state, tok.encode("宝玉"), 5)[0]
+    ids = launch(generate, 1, config, state, tok.encode("宝玉"), 5)[0]
     assert out.strip().splitlines()[-1] == tok.decode(ids)
 
 
@@ -328,18 +319,8 @@ def test_a_byte_level_bpe_model_takes_any_prompt(tmp_path, capfd):
 
     tok = BPETokenizer.train("满纸荒唐言，一把辛酸泪。\nHello there\n", 300)
     write_model_dir(tmp_path / "m", tiny_config(tok.vocab_size), tok)
-    code, out, err = tpedu(
-        capfd,
-        "generate",
-        "--tp",
-        "1",
-        "--model",
-        str(tmp_path / "m"),
-        "--prompt",
-        "Hello, world €",
-        "--max-new-tokens",
-        "2",
-    )
+    args = ["generate", "--tp", "1", "--prompt", "Hello, world €", "--max-new-tokens", "2"]
+    code, out, err = tpedu(capfd, *args, "--model", str(tmp_path / "m"))
     assert code == 0, err
     assert "Hello, world €" in out  # the prompt, then what the random model added
 

@@ -121,12 +121,15 @@ def test_a_truncated_checkpoint_is_refused_before_ranks_start(tmp_path):
     from tpedu import checkpoint
     from tpedu.model.config import GPTConfig
     from tpedu.model.dense import DenseGPT
+    from tpedu.parallel.config import ParallelConfig
     from tpedu.train.data.corpus import novel_data
 
     config = GPTConfig.gpt2_like(
         novel_data("char")[0].vocab_size, seq_len=16, n_layers=1, hidden=32, n_heads=2
     )
-    step = checkpoint.write_sharded(tmp_path / "ck", config, DenseGPT(config).state_dict(), 0, tp=2)
+    step = checkpoint.write_sharded(
+        tmp_path / "ck", config, DenseGPT(config).state_dict(), 0, ParallelConfig(tp=2)
+    )
     shard = sorted(step.glob("*.safetensors"))[-1]
     with open(shard, "r+b") as f:
         f.truncate(100)

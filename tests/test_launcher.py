@@ -206,3 +206,35 @@ def test_tensors_come_back_detached_wherever_they_sit():
     w, g = held.parts[0], held.parts[1]["g"]
     assert held.loss.item() == 6.0 and not held.loss.requires_grad
     assert type(w) is torch.Tensor and not w.requires_grad and torch.equal(g, torch.full((3,), 3.0))
+
+
+def test_a_process_group_that_fails_to_form_on_the_first_port_is_retried(monkeypatch, tmp_path):
+    """Another process can take (or connect to) the probed port before the ranks bind it; gloo
+    then fails inside init_process_group ("Connection closed by peer"). No rank ran the
+    function, so the launcher retries on a new port: the caller sees only the result."""
+    real = dist.init_process_group
+    first = tmp_path / "first-port"
+
+    def flaky(*args, **kwargs):
+        port = os.environ["MASTER_PORT"]
+        try:
+            fd = os.open(first, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            os.write(fd, port.encode())
+            os.close(fd)
+        except FileExistsError:
+            time.sleep(0.05)  # the writer finishes its write
+        if first.read_text() == port:
+            raise RuntimeError("[gloo] connectFullMesh failed: Connection closed by peer")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(dist, "init_process_group", flaky)
+    assert [r["rank"] for r in launch(rank_info, 2, 1.0)] == [0, 1]
+
+
+def test_a_process_group_that_never_forms_is_the_ranks_own_error(monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("no such backend here")
+
+    monkeypatch.setattr(dist, "init_process_group", broken)
+    with pytest.raises(RankError, match="no such backend here"):
+        launch(rank_info, 2, 1.0)

@@ -3,6 +3,7 @@ model at tp 2, one AdamW step) still load: a learner's saved work is never stran
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -40,3 +41,16 @@ def test_a_v0_1_checkpoint_reshards_offline(tmp_path):
     _, before, _ = checkpoint.read_dense(DATA / "ckpt")
     assert set(tensors) == set(before)
     assert all(torch.equal(tensors[k], before[k]) for k in before)
+
+
+def test_a_v0_1_index_gives_its_parallel_config_and_a_reshard_writes_the_new_format(tmp_path):
+    """tpedu 0.1 kept the run-time fields inside "model": read_parallel takes them from there
+    and from the layout; a reshard stores them apart, under the new format."""
+    old = checkpoint.read_parallel(DATA / "ckpt")
+    assert (old.tp, old.pp, old.dp, old.zero, old.chunks) == (2, 1, 1, 0, 1)
+    assert (old.sequence_parallel, old.recompute, old.stage_split) == (False, "none", "even")
+    out = checkpoint.reshard(DATA / "ckpt", tmp_path / "tp4", tp=4)
+    _, index = checkpoint.read_index(out)
+    assert index["format"] == checkpoint.FORMAT == "tpedu-sharded-2"
+    assert "sequence_parallel" not in index["model"] and "stage_split" not in index["model"]
+    assert checkpoint.read_parallel(out) == dataclasses.replace(old, tp=4)

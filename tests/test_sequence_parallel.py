@@ -18,6 +18,7 @@ from tpedu.comm.tracer import CommTracer
 from tpedu.model.config import GPTConfig
 from tpedu.model.dense import DenseGPT
 from tpedu.model.gpt import TPGPT
+from tpedu.parallel.config import ParallelConfig
 from tpedu.tp.sequence_parallel import (
     all_gather_linear,
     allreduce_sequence_parallel_grads,
@@ -26,14 +27,16 @@ from tpedu.tp.sequence_parallel import (
     sequence_parallel_params,
 )
 
-BASE = {"seq_len": 12, "n_layers": 2, "n_heads": 4, "dropout": 0.1, "sequence_parallel": True}
-CONFIGS = {
-    "gpt2": GPTConfig.gpt2_like(37, hidden=24, **BASE),
-    # GQA with 2 KV heads: split at tp 2, replicated at tp 4; RoPE, RMSNorm, SwiGLU, untied head.
-    "llama": GPTConfig.llama_like(37, hidden=32, **BASE),
-    "replicated-embedding": GPTConfig.gpt2_like(37, hidden=24, vocab_parallel=False, **BASE),
-    "gpt2-selective": GPTConfig.gpt2_like(37, hidden=24, recompute="selective", **BASE),
-    "llama-full": GPTConfig.llama_like(37, hidden=32, recompute="full", **BASE),
+BASE = {"seq_len": 12, "n_layers": 2, "n_heads": 4, "dropout": 0.1}
+GPT2 = GPTConfig.gpt2_like(37, hidden=24, **BASE)
+# GQA with 2 KV heads: split at tp 2, replicated at tp 4; RoPE, RMSNorm, SwiGLU, untied head.
+LLAMA = GPTConfig.llama_like(37, hidden=32, **BASE)
+CONFIGS = {  # name: (model config, recompute); every one sequence parallel
+    "gpt2": (GPT2, "none"),
+    "llama": (LLAMA, "none"),
+    "replicated-embedding": (dataclasses.replace(GPT2, vocab_parallel=False), "none"),
+    "gpt2-selective": (GPT2, "selective"),
+    "llama-full": (LLAMA, "full"),
 }
 B, S = 3, 8  # S divides by 1, 2, 4
 
@@ -55,10 +58,10 @@ def compare_all(names):
     sequence-parallel all-reduce (the bug)."""
     out = {}
     for name in names:
-        config = CONFIGS[name]
+        config, recompute = CONFIGS[name]
         torch.manual_seed(0)
         dense = DenseGPT(config).double()
-        model = TPGPT(dense).double()
+        model = TPGPT(dense, sequence_parallel=True, recompute=recompute).double()
         ids, targets = _batch(config)
         dense_loss = dense(ids, targets, step=3)
         dense_loss.backward()
@@ -119,10 +122,9 @@ def test_sequence_parallel_gpt_equals_dense(tp, names):
 
 
 def trace_model(sp: bool, recompute: str = "none"):
-    config = dataclasses.replace(CONFIGS["gpt2"], sequence_parallel=sp, recompute=recompute)
     torch.manual_seed(0)
-    model = TPGPT(DenseGPT(config)).double()
-    ids, targets = _batch(config)
+    model = TPGPT(DenseGPT(GPT2), sequence_parallel=sp, recompute=recompute).double()
+    ids, targets = _batch(GPT2)
     with CommTracer() as trace:
         model(ids, targets).backward()
         model.sync_grads()
@@ -140,7 +142,7 @@ def test_sequence_parallel_communication_contract():
     t = 2
     traces = launch(trace_all, t)[0]
     (tp, tp_fwd, tp_bwd), (sp, sp_fwd, sp_bwd) = traces[(False, "none")], traces[(True, "none")]
-    layers, h = CONFIGS["gpt2"].n_layers, CONFIGS["gpt2"].hidden
+    layers, h = GPT2.n_layers, GPT2.hidden
     bsh = B * S * h
     n = 2 * layers + 1  # 2 per block, + the embedding (forward) / the LM head (backward)
     assert sp[("world", "reduce_scatter", "forward")] == (n, n * bsh, 8 * n * bsh)
@@ -151,7 +153,7 @@ def test_sequence_parallel_communication_contract():
     # sequence-parallel parameters (2 LayerNorms (2h) + 2 row biases (h) per block, norm_f,
     # positions).
     assert sp[("world", "all_reduce", "forward")][:2] == (3, 3 * B * S)
-    sp_numel = layers * 6 * h + 2 * h + CONFIGS["gpt2"].seq_len * h
+    sp_numel = layers * 6 * h + 2 * h + GPT2.seq_len * h
     assert sp[("world", "all_reduce", "grad_sync")][:2] == (1, sp_numel)
     assert ("world", "all_reduce", "backward") not in sp
     assert tp[("world", "all_reduce", "forward")][:2] == (n + 3, n * bsh + 3 * B * S)
@@ -204,7 +206,7 @@ def test_all_gather_linear_equals_dense(t):
 
 
 def wrong_length():
-    model = TPGPT(DenseGPT(CONFIGS["gpt2"]))
+    model = TPGPT(DenseGPT(GPT2), sequence_parallel=True)
     ids = torch.zeros(1, 6, dtype=torch.long)
     with pytest.raises(ValueError, match=r"s = 6 is not divisible by tp=4.*1, 2, 3, 6"):
         model(ids)
@@ -214,11 +216,12 @@ def wrong_length():
 def test_sequence_length_must_divide_tp():
     with pytest.raises(ValueError, match=r"s = 12 is not divisible by tp=5"):
         check_sequence_length(12, 5)
+    ten = dataclasses.replace(GPT2, seq_len=10)
     with pytest.raises(ValueError, match=r"sequence length s = 10 is not divisible by tp=4"):
-        dataclasses.replace(CONFIGS["gpt2"], seq_len=10, n_heads=4).check(4)
-    dataclasses.replace(CONFIGS["gpt2"], seq_len=10, sequence_parallel=False).check(4)  # fine
+        ParallelConfig(tp=4, sequence_parallel=True).check(ten)
+    ParallelConfig(tp=4).check(ten)  # fine without sequence parallelism
     with pytest.raises(ValueError, match="recompute must be one of"):
-        dataclasses.replace(CONFIGS["gpt2"], recompute="some").check(1)
+        ParallelConfig(recompute="some")
     assert launch(wrong_length, 4) == [True] * 4  # the batch's own s, at run time
 
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -56,13 +54,12 @@ def _walk(config: GPTConfig, pp: int, sequence_parallel: bool) -> list[tuple]:
     from tpedu.parallel.pipeline.schedules import stage_layers
 
     torch.manual_seed(0)
-    config = dataclasses.replace(config, sequence_parallel=sequence_parallel)
     dense = DenseGPT(config)
     state = dense.state_dict()
     tp, rank = dist.get_world_size(), dist.get_rank()
     out = []
     for layers in stage_layers(config, pp):
-        model = TPGPT(dense, layers=layers)
+        model = TPGPT(dense, layers=layers, sequence_parallel=sequence_parallel)
         for e in shard_map(model):
             mine = split_tensor(state[e.name], e.stored_kind, tp, rank, config)
             same = mine.shape == e.param.shape and torch.equal(mine, e.param.detach())

@@ -19,7 +19,8 @@ from safetensors.torch import load_file
 from tpedu import launch
 from tpedu.launcher import RankError
 from tpedu.model.config import GPTConfig
-from tpedu.train.loop import TrainConfig, train, train_3d
+from tpedu.parallel.config import ParallelConfig
+from tpedu.train.loop import TrainConfig, train
 
 V = 41
 CONFIG = GPTConfig.gpt2_like(V, seq_len=8, n_layers=2, hidden=16, n_heads=2)
@@ -84,15 +85,17 @@ def same_weights(a_dir, b_dir, label, rel=F64):
 
 
 def run_3d(layout, config=CONFIG, **kw):
+    """train() at layout (tp, pp, dp); kw: the other ParallelConfig fields."""
     tr, va = data()
-    tp, pp, dp = layout
-    return launch(train_3d, tp * pp * dp, config, CFG, tr, va, tp, pp, dp, **kw)
+    parallel = ParallelConfig(*layout, **kw)
+    return launch(train, parallel.world, config, CFG, tr, va, parallel=parallel)
 
 
 def test_3d_2x2x2_matches_one_process(tmp_path):
     """float64: losses, gradient norms and the saved dense weights after 3 steps (F64)."""
     tr, va = data()
-    results = launch(f64, 8, train_3d, CONFIG, CFG, tr, va, 2, 2, 2, out=str(tmp_path / "m"))
+    par = ParallelConfig(2, 2, 2)
+    results = launch(f64, 8, train, CONFIG, CFG, tr, va, str(tmp_path / "m"), parallel=par)
     ref = launch(f64, 1, train, CONFIG, CFG, tr, va, str(tmp_path / "ref"))[0]
     assert all(r["losses"] == results[0]["losses"] for r in results)  # every rank agrees
     check(results[0], ref, "(2,2,2)", rel=F64)
@@ -108,14 +111,13 @@ def test_smaller_layouts_match_one_process(reference, layout):
 def test_sequence_parallel_inside_pipeline_stages(reference):
     """SP + PP: each stage runs its blocks on sequence shards and the stages pass [b/m, s/t, H]
     activations; training still equals one process."""
-    sp = dataclasses.replace(CONFIG, sequence_parallel=True)
-    results = run_3d((2, 2, 1), sp)
+    results = run_3d((2, 2, 1), sequence_parallel=True)
     assert all(r["losses"] == results[0]["losses"] for r in results)
     check(results[0], reference["layernorm"], "(2,2,1) with sequence parallelism")
 
 
 def test_untied_llama_with_zero1_and_gpipe(reference):
-    check(run_3d((1, 2, 2), UNTIED, zero=True, kind="gpipe")[0], reference["rmsnorm"], "zero1")
+    check(run_3d((1, 2, 2), UNTIED, zero=1, schedule="gpipe")[0], reference["rmsnorm"], "zero1")
 
 
 def test_bad_layouts_are_clear_errors():
@@ -134,23 +136,8 @@ def test_interleaved_schedule_matches_one_process(tmp_path):
     schedule."""
     tr, va = data()
     ref = launch(f64, 1, train, DEEP, CFG, tr, va, str(tmp_path / "ref"))[0]
-    results = launch(
-        f64,
-        2,
-        train_3d,
-        DEEP,
-        CFG,
-        tr,
-        va,
-        1,
-        2,
-        1,
-        None,
-        False,
-        "interleaved",
-        out=str(tmp_path / "m"),
-        chunks=2,
-    )
+    par = ParallelConfig(pp=2, schedule="interleaved", chunks=2)
+    results = launch(f64, 2, train, DEEP, CFG, tr, va, str(tmp_path / "m"), parallel=par)
     check(results[0], ref, "interleaved, 2 chunks", rel=F64)
     assert (results[0]["schedule"], results[0]["chunks"], results[0]["micro_batches"]) == (
         "interleaved",
@@ -161,13 +148,14 @@ def test_interleaved_schedule_matches_one_process(tmp_path):
 
 
 def test_schedule_errors_name_the_fix():
-    with pytest.raises(RankError, match="2 chunks per rank need the 'interleaved' schedule"):
-        run_3d((1, 2, 1), DEEP, chunks=2)
+    """Refused when the ParallelConfig is made, before any rank starts."""
+    with pytest.raises(ValueError, match="2 chunks per rank need the 'interleaved' schedule"):
+        ParallelConfig(pp=2, chunks=2)
     with pytest.raises(
-        RankError,
+        ValueError,
         match=r"needs the number of micro-batches \(1\) divisible by the number of stages \(2\)",
     ):
-        run_3d((1, 2, 1), DEEP, kind="interleaved", chunks=2, micro_batches=1)
+        ParallelConfig(pp=2, schedule="interleaved", chunks=2, micro_batches=1)
 
 
 def test_interleaved_checkpoint_resumes_at_another_layout(tmp_path):
@@ -177,7 +165,8 @@ def test_interleaved_checkpoint_resumes_at_another_layout(tmp_path):
     five = dataclasses.replace(CFG, steps=5, eval_every=5)
     straight = launch(train, 1, DEEP, five, tr, va)[0]
     saving = dataclasses.replace(five, ckpt_dir=str(tmp_path), save_every=3)
-    launch(train_3d, 2, DEEP, saving, tr, va, 1, 2, 1, None, False, "interleaved", chunks=2)
+    par = ParallelConfig(pp=2, schedule="interleaved", chunks=2)
+    launch(train, 2, DEEP, saving, tr, va, parallel=par)
     step3 = str(tmp_path / "step_00000003")
     resumed = launch(train, 1, DEEP, dataclasses.replace(five, resume=step3), tr, va)[0]
     assert resumed["losses"] == pytest.approx(straight["losses"][3:], rel=2e-5)
@@ -193,12 +182,13 @@ def test_flops_stage_split_trains_like_one_process_and_resumes_anywhere(tmp_path
     """stage_split="flops": a head worth 10 blocks (vocab 2000, hidden 16) leaves the last stage
     one block ([0:3] [3:4]). Training equals one process (float64); the checkpoint's index
     records the split, and one process resumes from it with the straight run's losses."""
-    wide = dataclasses.replace(DEEP, vocab_size=2000, stage_split="flops")
+    wide = dataclasses.replace(DEEP, vocab_size=2000)
     tr, va = data()
     five = dataclasses.replace(CFG, steps=5)
     straight = launch(f64, 1, train, wide, five, tr, va, str(tmp_path / "ref"))[0]
     saving = dataclasses.replace(five, ckpt_dir=str(tmp_path), save_every=3)
-    results = launch(f64, 2, train_3d, wide, saving, tr, va, 1, 2, 1, out=str(tmp_path / "m"))
+    flops = ParallelConfig(pp=2, stage_split="flops")
+    results = launch(f64, 2, train, wide, saving, tr, va, str(tmp_path / "m"), parallel=flops)
     assert results[0]["stages"] == [[0, 3], [3, 4]]
     check(results[0], straight, "flops split", rel=F64)
     same_weights(tmp_path / "m", tmp_path / "ref", "flops split")  # gathered from the stages
@@ -206,7 +196,7 @@ def test_flops_stage_split_trains_like_one_process_and_resumes_anywhere(tmp_path
     assert index["layout"]["stages"] == [[0, 3], [3, 4]]
     stages = [index["tensors"][f"blocks.{i}.attn.qkv.weight"]["stage"] for i in range(4)]
     assert stages == [0, 0, 0, 1], stages
-    even = dataclasses.replace(wide, stage_split="even")  # a layout-only field: loads either way
+    assert index["parallel"]["stage_split"] == "flops"
     resume = dataclasses.replace(five, resume=str(tmp_path / "step_00000003"))
-    resumed = launch(f64, 1, train, even, resume, tr, va)[0]
+    resumed = launch(f64, 1, train, wide, resume, tr, va)[0]  # one process, no split
     assert resumed["losses"] == pytest.approx(straight["losses"][3:], rel=F64)

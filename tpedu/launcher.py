@@ -86,7 +86,7 @@ class LaunchTimeout(TimeoutError):
 @dataclass
 class _Failure:
     rank: int
-    kind: str  # "error" or "died"
+    kind: str  # "error", "init" (init_process_group itself failed) or "died"
     exc_type: str
     message: str
     traceback: str
@@ -224,14 +224,12 @@ def launch(
         stream,
         _collective_timeout(timeout, collective_timeout),
     )
-    for _ in range(3):
+    for attempt in range(3):
         try:
-            return _launch_once(job, show_stderr)
+            return _launch_once(job, show_stderr, retry_init=attempt < 2)
         except _PortTaken:  # another process took our free port between probe and bind
             continue
-    raise RuntimeError(
-        "could not bind a free local port in 3 attempts; is the machine out of ports?"
-    )
+    raise AssertionError("unreachable: the last attempt raises the ranks' own error")
 
 
 @dataclass
@@ -255,7 +253,7 @@ class _PortTaken(Exception):
     pass
 
 
-def _launch_once(job: _Job, show_stderr: bool) -> list[Any]:
+def _launch_once(job: _Job, show_stderr: bool, retry_init: bool = True) -> list[Any]:
     ctx = mp.get_context("fork")
     port = free_port()
     outdir = tempfile.mkdtemp(prefix="tpedu-ranks-")
@@ -280,7 +278,10 @@ def _launch_once(job: _Job, show_stderr: bool) -> list[Any]:
         _kill_all(procs)
         for c in conns.values():
             c.close()
-        port_taken = any("address already in use" in f.message.lower() for f in failures)
+        # Setting up the process group on our probed port failed on every failing rank (another
+        # process bound the port in between, or connected to it: "address already in use",
+        # gloo's "connection closed by peer"): no rank ran `fn`, so a new port is a clean retry.
+        port_taken = retry_init and bool(failures) and all(f.kind == "init" for f in failures)
         if not port_taken:
             _print_outputs(outdir, job.world_size, show_stderr or bool(failures))
         _cleanup_dir(outdir)
@@ -333,8 +334,8 @@ def _collect(
             if status == "ok":
                 results[rank] = payload
                 continue
-            if status == "error":
-                failures.append(_Failure(rank, "error", *payload))
+            if status in ("error", "init"):
+                failures.append(_Failure(rank, status, *payload))
             else:
                 procs[rank].join(timeout=1)
                 code = procs[rank].exitcode
@@ -476,13 +477,17 @@ def _rank_main(job: _Job, rank: int, port: int, *, conn: Connection, outdir: str
                     "Restart the kernel and let only the ranks touch CUDA."
                 )
             torch.cuda.set_device(rank)
-        dist.init_process_group(
-            backend,
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=job.collective_timeout),
-        )
+        try:
+            dist.init_process_group(
+                backend,
+                init_method=f"tcp://127.0.0.1:{port}",
+                rank=rank,
+                world_size=world_size,
+                timeout=datetime.timedelta(seconds=job.collective_timeout),
+            )
+        except Exception as e:  # noqa: BLE001 - the parent may retry on another port
+            info = (type(e).__name__, str(e), traceback.format_exc(), time.time())
+            _report(conn, ("init", info), rank)
         result = job.fn(*job.args, **job.kwargs)
         if backend == "nccl":
             torch.cuda.synchronize()
@@ -490,6 +495,11 @@ def _rank_main(job: _Job, rank: int, port: int, *, conn: Connection, outdir: str
         message = ("ok", result)
     except BaseException as e:  # noqa: BLE001 - every failure must reach the parent
         message = ("error", (type(e).__name__, str(e), traceback.format_exc(), time.time()))
+    _report(conn, message, rank)
+
+
+def _report(conn: Connection, message: tuple, rank: int) -> None:
+    """Send (status, payload) to the parent and end this rank's process."""
     sys.stdout.flush()
     sys.stderr.flush()
     try:

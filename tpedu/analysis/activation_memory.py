@@ -334,8 +334,6 @@ def layer_config(case: LayerCase, dropout: float = 0.1) -> GPTConfig:
         hidden=c.hidden,
         n_heads=c.n_heads,
         dropout=dropout,
-        sequence_parallel=case.sp,
-        recompute=case.recompute,
         activation="gelu_tanh",
     )
 

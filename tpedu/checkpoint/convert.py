@@ -12,6 +12,7 @@ Resharding merges every tensor to dense and splits it again with the model's own
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -29,6 +30,7 @@ from tpedu.checkpoint.sharded import (
     layout_entry,
     read_config,
     read_index,
+    read_parallel,
     resolve,
 )
 from tpedu.model.config import GPTConfig
@@ -37,7 +39,8 @@ from tpedu.model.state import (
     param_kind,
     split_tensor,
 )
-from tpedu.parallel.pipeline.schedules import stage_layers, stage_of
+from tpedu.parallel.config import ParallelConfig
+from tpedu.parallel.pipeline.schedules import stage_of
 from tpedu.train.data import tokenizer
 
 
@@ -95,20 +98,19 @@ def write_sharded(
     config: GPTConfig,
     tensors: dict[str, torch.Tensor],
     step: int,
-    tp: int = 1,
-    pp: int = 1,
-    dp: int = 1,
-    zero1: bool = False,
+    parallel: ParallelConfig | None = None,
     header: dict | None = None,
     tok: object | None = None,
 ) -> Path:
     """Write dense `tensors` (parameters and `exp_avg/<name>`-style optimizer entries, as
-    read_dense returns them) as a checkpoint at layout (tp, pp, dp) under `root`, atomically,
-    from this one process. Each (tp rank, pp stage) gets one file, written as dp rank 0."""
-
-    config.check(tp)
-    stages = stage_layers(config, pp)  # raises if pp does not fit the layers
-    layout = layout_entry(tp, pp, dp, zero1, stages)
+    read_dense returns them) as a checkpoint for `parallel` (default: one rank) under `root`,
+    atomically, from this one process. Each (tp rank, pp stage) gets one file, written as dp
+    rank 0."""
+    parallel = parallel or ParallelConfig()
+    parallel.check(config)  # raises if tp does not divide the heads, pp does not fit, ...
+    tp, pp = parallel.tp, parallel.pp
+    layout = layout_entry(parallel, config)
+    stages = [range(a, b) for a, b in layout["stages"]]
     tmp = _prepare(Path(root), step)
     for p in range(pp):
         for t in range(tp):
@@ -116,7 +118,7 @@ def write_sharded(
             for key, dense in tensors.items():
                 name = key.split("/", 1)[-1]
                 kind = param_kind(name, config) if dense.dim() else "replicated"
-                if stage_of(name, config, pp) != p or (kind == "replicated" and t):
+                if stage_of(name, stages, pp) != p or (kind == "replicated" and t):
                     continue
                 out[key], kinds[key] = split_tensor(dense, kind, tp, t, config), kind
             _write_shard(tmp, (t, p, 0), out, kinds)
@@ -126,6 +128,7 @@ def write_sharded(
             "format": FORMAT,
             "tpedu_version": tpedu.__version__,
             "model": config.to_dict(),
+            "parallel": parallel.to_dict(),
             "layout": layout,
         }
     )
@@ -138,12 +141,16 @@ def reshard(
 ) -> Path:
     """Rewrite checkpoint `src` (a step dir or a root) for layout (tp, pp, dp) under `dst`.
 
-    Parameters and optimizer state are merged to dense and re-split; step, data position and
-    the rest of the index are kept. One process, no ranks; memory: the whole model once.
+    Parameters and optimizer state are merged to dense and re-split; step, data position, the
+    source's other parallel settings (sequence parallelism, stage split, ...) and the rest of
+    the index are kept, with one model chunk per pipeline rank. One process, no ranks; memory:
+    the whole model once.
     """
     config, tensors, index = read_dense(src)
     tok = _tokenizer(resolve(src))
-    return write_sharded(dst, config, tensors, index["step"], tp, pp, dp, zero1, index, tok)
+    source = read_parallel(src)
+    parallel = replace(source, tp=tp, pp=pp, dp=dp, zero=int(zero1), chunks=1)
+    return write_sharded(dst, config, tensors, index["step"], parallel, index, tok)
 
 
 def _tokenizer(step_dir: Path) -> object | None:
@@ -228,7 +235,9 @@ def import_dense(
     """A dense model directory (`train --out`, export_dense) -> a sharded checkpoint at step 0
     without optimizer state (so `train --resume` starts a fresh optimizer from these weights)."""
     config, state = read_model_dir(model_dir)
-    return write_sharded(dst, config, state, 0, tp, pp, dp, tok=_tokenizer(model_dir))
+    return write_sharded(
+        dst, config, state, 0, ParallelConfig(tp, pp, dp), tok=_tokenizer(model_dir)
+    )
 
 
 def export_hf(src: str | Path, out: str | Path) -> Path:

@@ -5,8 +5,9 @@ A checkpoint is a directory per step, next to a `latest` pointer:
     run/ckpt/
       latest                      "step_00000200"  (written last: the newest complete step)
       step_00000200/
-        index.json                config, layout, step, tokens seen, data position, and for every
-                                  tensor its global shape, dtype, sharding kind and its shards
+        index.json                model config, parallel config, layout, step, tokens seen, data
+                                  position, and for every tensor its global shape, dtype,
+                                  sharding kind and its shards
         tp0-pp0-dp0.safetensors   rank (tp 0, pp 0, dp 0)'s tensors: parameters and AdamW state
         tp1-pp0-dp0.safetensors   ...
         tokenizer.json            (if the run had one)
@@ -62,7 +63,7 @@ from torch import nn
 import tpedu
 from tpedu.checkpoint.files import CheckpointError, _fsync_dir, _sha256, _write_bytes, replace_dir
 from tpedu.comm import collectives
-from tpedu.model.config import GPTConfig
+from tpedu.model.config import LEGACY, GPTConfig
 from tpedu.model.gpt import TPGPT
 from tpedu.model.state import (
     dense_shapes,
@@ -70,19 +71,19 @@ from tpedu.model.state import (
     shard_map,
     split_tensor,
 )
+from tpedu.parallel.config import ParallelConfig
 from tpedu.parallel.pipeline.schedules import stage_layers
 
-FORMAT = "tpedu-sharded-1"
+# 2: the index keeps "model" (GPTConfig) and "parallel" (ParallelConfig) apart. tpedu 0.1 wrote
+# 1, with the run-time fields inside "model": still read, by read_config and read_parallel.
+FORMAT = "tpedu-sharded-2"
+READABLE = ("tpedu-sharded-1", FORMAT)
 
 
 INDEX = "index.json"
 
 
 LATEST = "latest"
-
-
-# Config fields that choose how the model runs, not what its tensors are: they may differ.
-LAYOUT_ONLY = ("sequence_parallel", "recompute", "fused_attention", "overlap_comm", "stage_split")
 
 
 def _optimizer_view(opt: object | None) -> tuple[torch.optim.Optimizer | None, set[int]]:
@@ -191,7 +192,11 @@ def _agree(error: BaseException | None, what: str) -> None:
 
 
 def _header(
-    config: GPTConfig, layout: dict, step: int, train_cfg: object | None, opt: object | None
+    config: GPTConfig,
+    parallel: ParallelConfig,
+    step: int,
+    train_cfg: object | None,
+    opt: object | None,
 ) -> dict:
     batch = getattr(train_cfg, "batch", None)
     seed = getattr(train_cfg, "seed", None)
@@ -209,7 +214,8 @@ def _header(
         "format": FORMAT,
         "tpedu_version": tpedu.__version__,
         "model": config.to_dict(),
-        "layout": layout,
+        "parallel": parallel.to_dict(),
+        "layout": layout_entry(parallel, config),
         "tokens_seen": step * batch * config.seq_len if batch else None,
         "data": {
             "sampler": "tpedu.train.data.batches.packed_batch",
@@ -230,17 +236,17 @@ def _header(
     }
 
 
-def layout_entry(
-    tp: int, pp: int, dp: int, zero1: bool, stages: list[range], chunks: int = 1
-) -> dict:
-    """The index's "layout": sizes, ZeRO-1, and the layers of each (virtual) stage; virtual
-    stage c·pp + s is on pp rank s ("chunks" > 1 only with the interleaved schedule)."""
+def layout_entry(parallel: ParallelConfig, config: GPTConfig) -> dict:
+    """The index's "layout", what the files hold: sizes, ZeRO-1, and the layers of each
+    (virtual) stage; virtual stage c·pp + s is on pp rank s ("chunks" > 1 only with the
+    interleaved schedule)."""
+    stages = stage_layers(config, parallel.pp * parallel.chunks, parallel.stage_split)
     return {
-        "tp": tp,
-        "pp": pp,
-        "dp": dp,
-        "zero1": zero1,
-        **({"chunks": chunks} if chunks > 1 else {}),  # absent: 1
+        "tp": parallel.tp,
+        "pp": parallel.pp,
+        "dp": parallel.dp,
+        "zero1": parallel.zero >= 1,
+        **({"chunks": parallel.chunks} if parallel.chunks > 1 else {}),  # absent: 1
         "stages": [[r.start, r.stop] for r in stages],
     }
 
@@ -252,30 +258,39 @@ def save(
     step: int,
     *,
     mesh: object | None = None,
-    zero1: bool = False,
+    parallel: ParallelConfig | None = None,
     train_cfg: object | None = None,
     tok: object | None = None,
 ) -> Path:
     """Save this step's checkpoint under `root` from every rank of the world. Collective.
 
     model: this rank's TPGPT (or its pipeline chunks); opt: its AdamW (or a ZeRO-1 wrapper,
-    then pass zero1=True) or None; mesh: the tpedu.parallel.mesh.Mesh of a 3D layout (None: the world
-    is one TP group). Returns root/step_N. 3 tiny all-reduces (barriers that also carry
-    failures: one rank's error makes every rank raise, and `latest` does not move).
+    then parallel.zero = 1) or None; mesh: the tpedu.parallel.mesh.Mesh of a 3D layout (None:
+    the world is one TP group); parallel: the run's ParallelConfig, stored in the index (None:
+    plain TP over the model's group, its sequence parallelism as built). Returns root/step_N.
+    3 tiny all-reduces (barriers that also carry failures: one rank's error makes every rank
+    raise, and `latest` does not move).
     """
     root = Path(root)
     chunks = [model] if isinstance(model, nn.Module) else list(model)
     config = chunks[0].config
     if mesh is None:
-        tp, pp, dp = dist.get_world_size(chunks[0].group), 1, 1
         coords = (dist.get_rank(chunks[0].group), 0, 0)
+        layout = (dist.get_world_size(chunks[0].group), 1, 1)
     else:
-        lay = mesh.layout
-        tp, pp, dp = lay.tp, lay.pp, lay.dp
         coords = (mesh.tp_rank, mesh.pp_rank, mesh.dp_rank)
-
-    virtual = stage_layers(config, pp * len(chunks))
-    layout = layout_entry(tp, pp, dp, zero1, virtual, len(chunks))
+        layout = (mesh.layout.tp, mesh.layout.pp, mesh.layout.dp)
+    if parallel is None:
+        tp, pp, dp = layout
+        sp = chunks[0].sequence_parallel
+        parallel = ParallelConfig(tp, pp, dp, chunks=len(chunks), sequence_parallel=sp)
+    if (parallel.tp, parallel.pp, parallel.dp, parallel.chunks) != (*layout, len(chunks)):
+        raise ValueError(
+            f"parallel says tp={parallel.tp} pp={parallel.pp} dp={parallel.dp} "
+            f"chunks={parallel.chunks}, the ranks run tp, pp, dp = {layout} with {len(chunks)} "
+            "chunks; pass the ParallelConfig the model was built with"
+        )
+    zero1 = parallel.zero >= 1
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     tmp = Path(root) / f".tmp-{step_name(step)}"
     error: BaseException | None = None
@@ -295,7 +310,7 @@ def save(
     final = root / step_name(step)
     try:
         if rank0:
-            header = _header(config, layout, step, train_cfg, opt)
+            header = _header(config, parallel, step, train_cfg, opt)
             _finalize(root, tmp, step, header, tok)
     except Exception as e:  # noqa: BLE001
         error = e
@@ -358,9 +373,10 @@ def read_index(path: str | Path) -> tuple[Path, dict]:
         raise CheckpointError(
             f"{step_dir / INDEX} is not valid JSON ({e}); the file is corrupted"
         ) from None
-    if index.get("format") != FORMAT:
+    if index.get("format") not in READABLE:
         raise CheckpointError(
-            f"{step_dir / INDEX}: field 'format' is {index.get('format')!r}, expected {FORMAT!r}"
+            f"{step_dir / INDEX}: field 'format' is {index.get('format')!r}, expected one of "
+            f"{READABLE}"
         )
     for key in ("model", "layout", "tensors", "files", "step"):
         if key not in index:
@@ -379,12 +395,32 @@ def read_config(path: str | Path) -> GPTConfig:
         ) from None
 
 
+def read_parallel(path: str | Path) -> ParallelConfig:
+    """The ParallelConfig a checkpoint was saved with (tpedu 0.1's: from its layout and the
+    run-time fields it kept in "model")."""
+    step_dir, index = read_index(path)
+    if "parallel" in index:
+        try:
+            return ParallelConfig.from_dict(index["parallel"])
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(f"{step_dir / INDEX}: field 'parallel': {e}") from None
+    lay, model = index["layout"], index["model"]
+    legacy = {k: model[k] for k in LEGACY if k in model and k not in ("extra", "fused_attention")}
+    return ParallelConfig(
+        lay["tp"],
+        lay["pp"],
+        lay["dp"],
+        chunks=lay.get("chunks", 1),
+        schedule="interleaved" if lay.get("chunks", 1) > 1 else "1f1b",
+        zero=int(bool(lay.get("zero1"))),
+        **legacy,
+    )
+
+
 def check_config(index: dict, config: GPTConfig, where: Path) -> None:
-    """Raise naming the first config field that differs (layout-only fields may differ)."""
+    """Raise naming the first model config field that differs from the checkpoint's."""
     saved = index["model"]
     for f in fields(GPTConfig):
-        if f.name in LAYOUT_ONLY:
-            continue
         mine = getattr(config, f.name)
         if saved.get(f.name) != mine:
             raise CheckpointError(

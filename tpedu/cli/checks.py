@@ -12,7 +12,6 @@ import argparse
 import math
 import os
 import sys
-from dataclasses import replace
 from pathlib import Path
 from typing import NoReturn
 
@@ -21,6 +20,7 @@ import torch
 from tpedu.cli.parser import TP_COMMANDS
 from tpedu.launcher import under_torchrun
 from tpedu.model.config import GPTConfig
+from tpedu.parallel.config import ParallelConfig
 
 
 def fail(message: str) -> NoReturn:
@@ -244,24 +244,39 @@ def read_resume(args: argparse.Namespace) -> GPTConfig | None:
         fail(str(e))
 
 
-def resume_config(
-    args: argparse.Namespace, saved: GPTConfig, config: GPTConfig, vocab_size: int
-) -> GPTConfig:
-    """The checkpoint's model config `saved`, with its layout-only fields from the flags."""
-    from tpedu import checkpoint
-
+def check_vocab(args: argparse.Namespace, saved: GPTConfig, vocab_size: int) -> None:
+    """The --resume checkpoint's model must read the --tokenizer's ids."""
     if saved.vocab_size != vocab_size:
         fail(
             f"{args.resume} has vocab_size {saved.vocab_size}, the --tokenizer "
             f"{args.tokenizer} gives {vocab_size}; pass the tokenizer it was trained with"
         )
-    return replace(saved, **{k: getattr(config, k) for k in checkpoint.LAYOUT_ONLY})
 
 
-def check_config(config: GPTConfig, tp: int) -> None:
-    """The model config's own checks (heads divisible by tp, ...) as a one-line error."""
+def parallel_config(args: argparse.Namespace) -> ParallelConfig:
+    """train's ParallelConfig from its flags (a one-line error if they do not make one)."""
     try:
-        config.check(tp)
+        return ParallelConfig(
+            args.tp,
+            args.pp,
+            args.dp,
+            schedule=args.schedule,
+            chunks=args.chunks,
+            micro_batches=args.micro_batches,
+            stage_split=args.stage_split,
+            sequence_parallel=args.sequence_parallel,
+            recompute=args.recompute,
+            overlap_comm=args.overlap_comm,
+            zero=int(args.zero1),
+        )
+    except ValueError as e:
+        fail(str(e))
+
+
+def check_config(config: GPTConfig, parallel: ParallelConfig) -> None:
+    """The model config's checks against the layout (heads divisible by tp, ...), one line."""
+    try:
+        parallel.check(config)
     except ValueError as e:
         fail(str(e))
 

@@ -28,6 +28,7 @@ from tpedu.comm import collectives as C
 from tpedu.comm import cost_model
 from tpedu.launcher import LaunchTimeout, RankError, device, run
 from tpedu.model.config import GPTConfig
+from tpedu.parallel.config import ParallelConfig
 
 
 def hello() -> dict:
@@ -94,19 +95,15 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _three_d(args: argparse.Namespace) -> bool:
-    """Whether train runs the 3D loop (train_3d) rather than the tensor-parallel one."""
-    return args.pp * args.dp > 1 or bool(args.micro_batches) or args.zero1 or args.chunks > 1
-
-
 def _train(args: argparse.Namespace) -> int:
     # here, not at import: the training stack costs ~0.6 s that hello, reshard and every
     # refused input would pay
     from tpedu.train.data.corpus import novel_data
-    from tpedu.train.loop import TrainConfig, train, train_3d
+    from tpedu.train.loop import TrainConfig, train
 
+    parallel = checks.parallel_config(args)
     saved = checks.read_resume(args)  # with --resume, the checkpoint's model config
-    if _three_d(args):
+    if not parallel.tp_only:
         checks.check_layout(args, saved.n_layers if saved else args.layers)
     try:
         tok, train_ids, val_ids = novel_data(args.tokenizer, args.bpe_vocab)
@@ -122,14 +119,12 @@ def _train(args: argparse.Namespace) -> int:
         n_heads=args.heads,
         dropout=args.dropout,
         vocab_parallel=not args.replicated_embedding,
-        sequence_parallel=args.sequence_parallel,
-        overlap_comm=args.overlap_comm,
-        stage_split=args.stage_split,
         **kv,
     )
-    if saved is not None:
-        config = checks.resume_config(args, saved, config, tok.vocab_size)
-    checks.check_config(config, args.tp)
+    if saved is not None:  # the checkpoint's model; the flags choose only how it runs
+        checks.check_vocab(args, saved, tok.vocab_size)
+        config = saved
+    checks.check_config(config, parallel)
     min_lr = args.lr / 10 if args.min_lr is None else args.min_lr
     warmup = min(20, args.steps // 10 + 1) if args.warmup is None else args.warmup
     cfg = TrainConfig(
@@ -147,43 +142,21 @@ def _train(args: argparse.Namespace) -> int:
         save_every=args.save_every,
         resume=args.resume,
     )
-    if _three_d(args):
-        results = run(
-            train_3d,
-            args.tp * args.pp * args.dp,
-            config,
-            cfg,
-            train_ids,
-            val_ids,
-            args.tp,
-            args.pp,
-            args.dp,
-            args.micro_batches,
-            args.zero1,
-            args.schedule,
-            out=args.out,
-            tok=tok,
-            chunks=args.chunks,
-            backend=args.backend,
-            timeout=None,
-            collective_timeout=args.timeout,
-            stream=True,
-        )
-    else:
-        results = run(
-            train,
-            args.tp,
-            config,
-            cfg,
-            train_ids,
-            val_ids,
-            args.out,
-            tok,
-            backend=args.backend,
-            timeout=None,
-            collective_timeout=args.timeout,
-            stream=True,
-        )
+    results = run(
+        train,
+        parallel.world,
+        config,
+        cfg,
+        train_ids,
+        val_ids,
+        args.out,
+        tok,
+        parallel,
+        backend=args.backend,
+        timeout=None,
+        collective_timeout=args.timeout,
+        stream=True,
+    )
     if int(os.environ.get("RANK", "0")) == 0:
         summary = results[0]
         if args.json:
@@ -225,14 +198,13 @@ def _reshard(args: argparse.Namespace) -> int:
 
 def _generate(args: argparse.Namespace) -> int:
     from tpedu.checkpoint.convert import load_model_files
-    from tpedu.train.generate import generate, generation_config
+    from tpedu.train.generate import generate
 
     try:
         config, state, tok = load_model_files(args.model)
-        config = generation_config(config)  # a model trained with --sequence-parallel too
     except (FileNotFoundError, ValueError) as e:  # CheckpointError is a ValueError
         fail(str(e))
-    checks.check_config(config, args.tp)
+    checks.check_config(config, ParallelConfig(args.tp))
     checks.check_prompt(tok, args.prompt)
     prompt = tok.encode(args.prompt)
     results = run(

@@ -106,6 +106,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="shard norms, dropout and residuals along the sequence (lesson 08)",
     )
     tr.add_argument(
+        "--recompute",
+        choices=["none", "selective", "full"],
+        default="none",
+        help="recompute in backward: the attention core, or whole blocks (lesson 09)",
+    )
+    tr.add_argument(
         "--overlap-comm",
         action="store_true",
         help="overlap each f's backward all-reduce with dL/dW (lesson 14; same result)",

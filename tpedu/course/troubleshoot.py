@@ -87,17 +87,19 @@ def compare_with_dense(
     training: bool = False,
     seed: int = 0,
     dtype: torch.dtype = torch.float64,
+    **options: bool | str,
 ) -> Comparison:
     """One forward+backward of DenseGPT and TPGPT (built from it) on the same batch; compare.
 
     Collective: call on every rank of `group`. ids, targets [b, s], the same on the group's
-    ranks. `training=True` turns dropout on (the TP masks must equal the dense ones). Runs
+    ranks. `training=True` turns dropout on (the TP masks must equal the dense ones);
+    `options` are TPGPT's (e.g. sequence_parallel=True). Runs
     `sync_grads()` as a training step does, then gathers the TP gradients into the dense layout
     (all-gathers) and compares each parameter's gradient with the dense one.
     """
     torch.manual_seed(seed)
     dense = DenseGPT(config).to(dtype)
-    model = TPGPT(dense, group).to(dtype)
+    model = TPGPT(dense, group, **options).to(dtype)
     dense.train(training)
     model.train(training)
     dev = device()  # built on the CPU (same init on every rank), run on this rank's device

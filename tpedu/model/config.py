@@ -1,11 +1,11 @@
 """Lesson 07: `GPTConfig`, everything that fixes a GPT's shapes and arithmetic.
 
 One config expresses GPT-2 (LayerNorm, learned positions, GELU, tied embeddings, biases) and a
-Llama-style model (RMSNorm, RoPE, SwiGLU, grouped-query attention, no biases), plus the choices
-later lessons add: `sequence_parallel` (lesson 08), `recompute` (lesson 09), `stage_split`
-(lesson 10) and `overlap_comm` (lesson 14). `check(tp)` raises a ValueError naming the problem
-when the config cannot run at tp, and `to_dict` / `from_dict` are what model directories and
-checkpoints store.
+Llama-style model (RMSNorm, RoPE, SwiGLU, grouped-query attention, no biases). How the model
+*runs* (sequence parallelism, recompute, the pipeline, ...) is not here but in
+tpedu.parallel.config.ParallelConfig: nothing in GPTConfig changes with the layout. `check(tp)`
+raises a ValueError naming the problem when the config cannot run at tp, and `to_dict` /
+`from_dict` are what model directories and checkpoints store.
 """
 
 from __future__ import annotations
@@ -13,10 +13,19 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from tpedu.tp.attention import check_heads
-from tpedu.tp.sequence_parallel import check_sequence_length
 from tpedu.tp.sharding import check_divisible
 
 RECOMPUTE = ("none", "selective", "full")
+
+# Stored in GPTConfig by tpedu 0.1; the last five are ParallelConfig fields now.
+LEGACY = (
+    "extra",
+    "sequence_parallel",
+    "recompute",
+    "fused_attention",
+    "overlap_comm",
+    "stage_split",
+)
 
 
 class Widths:
@@ -58,18 +67,12 @@ class GPTConfig(Widths):
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     seed: int = 0  # dropout masks
-    sequence_parallel: bool = False  # TPGPT: norms, dropout, residuals on s/t positions
-    recompute: str = "none"  # TPGPT: "selective" (attention core) or "full" (whole block)
-    fused_attention: bool = True  # flash attention (SDPA) whenever no dropout mask is drawn
-    overlap_comm: bool = False  # TPGPT: f's backward all-reduce overlapped with dL/dW (lesson 14)
-    stage_split: str = "even"  # pipeline: "even" blocks per stage, or "flops" (head counted)
 
     def check(self, tp: int = 1) -> None:
         """Raise a ValueError naming the problem (and the fix) if this config cannot run at `tp`."""
         for name, choices in (
             ("norm", ("layernorm", "rmsnorm")),
             ("position", ("learned", "rope")),
-            ("stage_split", ("even", "flops")),
         ):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
@@ -78,25 +81,22 @@ class GPTConfig(Widths):
             raise ValueError(f"hidden = {self.hidden} is not divisible by n_heads = {self.n_heads}")
         if self.position == "rope" and (self.hidden // self.n_heads) % 2:
             raise ValueError("RoPE needs an even head dimension")
-        if self.recompute not in RECOMPUTE:
-            raise ValueError(f"recompute must be one of {RECOMPUTE}, got {self.recompute!r}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(
                 f"dropout = {self.dropout} must be in [0, 1): the probability of "
                 "zeroing an activation (1 would zero them all)"
             )
         check_divisible(self.ffn, tp, "ffn_hidden")
-        if self.sequence_parallel:  # the batch's own s is checked again at run time
-            check_sequence_length(self.seq_len, tp)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, fields: dict) -> GPTConfig:
-        """A config from `to_dict()`'s output, also as older tpedu versions stored it (they kept
-        an unused `extra` field: dropped)."""
-        return cls(**{k: v for k, v in fields.items() if k != "extra"})
+        """A config from `to_dict()`'s output, also as tpedu 0.1 stored it: with an unused
+        `extra` field and the run-time fields that now live in ParallelConfig (`LEGACY`),
+        dropped here (tpedu.checkpoint reads the latter into a ParallelConfig)."""
+        return cls(**{k: v for k, v in fields.items() if k not in LEGACY})
 
     @classmethod
     def gpt2_like(cls, vocab_size: int, **overrides: object) -> GPTConfig:

@@ -27,9 +27,10 @@ def make_norm(config: GPTConfig) -> nn.Module:
 
 
 class DenseBlock(nn.Module):
-    """Pre-norm block: x + drop(attn(norm1(x))), then + mlp(norm2(·)) (the MLP drops its output)."""
+    """Pre-norm block: x + drop(attn(norm1(x))), then + mlp(norm2(·)) (the MLP drops its output).
+    fused_attention: flash attention (SDPA) whenever no dropout mask is drawn (lesson 09)."""
 
-    def __init__(self, config: GPTConfig, layer: int) -> None:
+    def __init__(self, config: GPTConfig, layer: int, fused_attention: bool = True) -> None:
         super().__init__()
         self.seed = derive_seed(config.seed, layer)
         self.p = config.dropout
@@ -43,7 +44,7 @@ class DenseBlock(nn.Module):
             dropout_p=config.dropout,
             dropout_seed=self.seed,
             rope_theta=rope,
-            fused=config.fused_attention,
+            fused=fused_attention,
         )
         self.mlp = DenseMLP(
             config.hidden,
@@ -62,9 +63,11 @@ class DenseBlock(nn.Module):
 
 
 class DenseGPT(nn.Module):
-    """The single-process reference GPT. ids [b, s] -> logits [b, s, V] (or the mean loss)."""
+    """The single-process reference GPT. ids [b, s] -> logits [b, s, V] (or the mean loss).
+    fused_attention=False computes attention explicitly (the scores stored for backward); the
+    tensor-parallel model built from this one inherits the choice."""
 
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: GPTConfig, fused_attention: bool = True) -> None:
         super().__init__()
         config.check(1)
         self.config = config
@@ -72,7 +75,9 @@ class DenseGPT(nn.Module):
         self.pos_emb = (
             nn.Embedding(config.seq_len, config.hidden) if config.position == "learned" else None
         )
-        self.blocks = nn.ModuleList(DenseBlock(config, i) for i in range(config.n_layers))
+        self.blocks = nn.ModuleList(
+            DenseBlock(config, i, fused_attention) for i in range(config.n_layers)
+        )
         self.norm_f = make_norm(config)
         self.lm_head = (
             None

@@ -12,11 +12,13 @@ Per transformer block, tensor parallelism costs exactly (b·s·H elements each):
 plus, with a vocab-parallel embedding and loss: 1 all-reduce forward for the embedding, 1
 backward for the LM head's input, and 3 small all-reduces (b·s elements) in the loss.
 
-`GPTConfig.sequence_parallel` (lesson 08): between the TP regions every rank keeps only its s/t
-positions; each all-reduce becomes a reduce-scatter (forward) and each f an all-gather, see
-tpedu/tp/sequence_parallel.py. `sync_grads()` then also sums the gradients of the replicated
-parameters that saw only a sequence shard. `GPTConfig.recompute` (lesson 09): "selective"
-recomputes the attention core in backward, "full" the whole block from its input.
+How the model runs is given to TPGPT as keyword arguments (tpedu.parallel.config.ParallelConfig's
+`model_options()`), never stored in the GPTConfig. `sequence_parallel` (lesson 08): between the
+TP regions every rank keeps only its s/t positions; each all-reduce becomes a reduce-scatter
+(forward) and each f an all-gather, see tpedu/tp/sequence_parallel.py. `sync_grads()` then also
+sums the gradients of the replicated parameters that saw only a sequence shard. `recompute`
+(lesson 09): "selective" recomputes the attention core in backward, "full" the whole block from
+its input. `overlap_comm` (lesson 14): f's backward all-reduce runs while dL/dW is computed.
 """
 
 from __future__ import annotations
@@ -152,19 +154,28 @@ class TPGPT(nn.Module):
     more than one stage, the last stage keeps its own copy of the embedding table as the head;
     the two copies' gradients must be summed over the first and last stage (lesson 10).
 
-    With config.sequence_parallel the hidden states between blocks (and between stages) are this
+    With sequence_parallel the hidden states between blocks (and between stages) are this
     rank's sequence shard [b, s/t, H]; ids, targets, logits and loss are as above.
     """
 
     def __init__(
-        self, dense: DenseGPT, group: dist.ProcessGroup | None = None, layers: range | None = None
+        self,
+        dense: DenseGPT,
+        group: dist.ProcessGroup | None = None,
+        layers: range | None = None,
+        *,
+        sequence_parallel: bool = False,
+        recompute: str = "none",
+        overlap_comm: bool = False,
     ) -> None:
         super().__init__()
         config = dense.config
         self.config, self.group = config, group
         self.tp = dist.get_world_size(group)
-        self.sequence_parallel = config.sequence_parallel
+        self.sequence_parallel, self.overlap_comm = sequence_parallel, overlap_comm
         config.check(self.tp)
+        if sequence_parallel:  # the batch's own s is checked again at run time
+            check_sequence_length(config.seq_len, self.tp)
         layers = range(config.n_layers) if layers is None else layers
         if not (0 <= layers.start <= layers.stop <= config.n_layers and layers.step == 1):
             raise ValueError(
@@ -180,13 +191,7 @@ class TPGPT(nn.Module):
         self.tok_emb = table(dense.tok_emb.weight) if self.first else None
         self.pos_emb = copy.deepcopy(dense.pos_emb) if self.first else None  # replicated
         self.blocks = nn.ModuleList(
-            TPBlock(
-                dense.blocks[i],
-                group,
-                config.sequence_parallel,
-                config.recompute,
-                config.overlap_comm,
-            )
+            TPBlock(dense.blocks[i], group, sequence_parallel, recompute, overlap_comm)
             for i in layers
         )
         self.norm_f = copy.deepcopy(dense.norm_f) if self.last else None
@@ -195,7 +200,7 @@ class TPGPT(nn.Module):
             self.lm_head = table(dense.lm_head.weight)
         elif self.last and not self.first:  # tied, on another stage: a copy of the table
             self.lm_head = table(dense.tok_emb.weight)
-        if config.sequence_parallel:  # replicated, but each rank feeds them its positions only
+        if sequence_parallel:  # replicated, but each rank feeds them its positions only
             for m in (self.pos_emb, self.norm_f):
                 mark_sequence_parallel(m.parameters() if m is not None else [])
         self._copies = self._count_copies()
@@ -206,11 +211,13 @@ class TPGPT(nn.Module):
         config: GPTConfig,
         state: dict[str, torch.Tensor],
         group: dist.ProcessGroup | None = None,
+        **options: bool | str,
     ) -> TPGPT:
-        """Shard a dense state dict (e.g. loaded from disk, the same on every rank)."""
+        """Shard a dense state dict (e.g. loaded from disk, the same on every rank); `options`
+        are TPGPT's keyword arguments."""
         dense = DenseGPT(config)
         dense.load_state_dict(state)
-        return cls(dense, group)
+        return cls(dense, group, **options)
 
     def forward(
         self, inputs: torch.Tensor, targets: torch.Tensor | None = None, step: int = 0
@@ -242,7 +249,7 @@ class TPGPT(nn.Module):
             logits = all_gather_linear(h, [head.weight], [None], self.group)[0]  # [b, s, Vp/t]
         else:
             logits = column_parallel_linear(
-                h, head.weight, None, self.group, async_grad_allreduce=self.config.overlap_comm
+                h, head.weight, None, self.group, async_grad_allreduce=self.overlap_comm
             )
         if targets is None:
             return logits

@@ -2,13 +2,11 @@
 
 `generate(config, state, prompt_ids, ...)` builds a TPGPT from a dense state dict and continues
 the prompt with tpedu.tp.vocab_parallel's sampler (temperature, top-k), never from one shard's
-logits alone. `generation_config` turns off what only training needs (sequence parallelism,
-recomputation, overlap).
+logits alone. The model runs plain tensor parallelism: what only training needs (sequence
+parallelism, recompute, overlap) lives in a ParallelConfig, which generation does not take.
 """
 
 from __future__ import annotations
-
-from dataclasses import replace
 
 import torch
 
@@ -33,11 +31,8 @@ def generate(
     Sampling never looks at one shard's logits alone (that picks the wrong token): it uses the
     vocab-parallel sampler, with the same generator seed on every rank; the noise comes from a
     CPU generator on every backend, so a tp=1 run on a GPU and a tp=2 run on CPU ranks draw the
-    same noise (the text then differs only where the logits' rounding does). The config's
-    training-only layout (sequence parallelism, recompute, overlap) is turned off first: the
-    growing sequence is not always divisible by tp, and the tensors are the same either way.
+    same noise (the text then differs only where the logits' rounding does).
     """
-    config = generation_config(config)
     model = TPGPT.from_state_dict(config, state).to(device())
     model.eval()
     gen = torch.Generator().manual_seed(seed)  # CPU noise: the same tokens on CPU and CUDA ranks
@@ -50,9 +45,3 @@ def generate(
             nxt = sample(logits, gen, temperature, top_k)
         ids = torch.cat([ids, nxt.view(1, 1)], dim=1)
     return ids[0].tolist()
-
-
-def generation_config(config: GPTConfig) -> GPTConfig:
-    """`config` for inference: sequence parallelism, recompute and overlap off. These fields
-    (checkpoint.LAYOUT_ONLY) never change the tensors, only how training runs."""
-    return replace(config, sequence_parallel=False, recompute="none", overlap_comm=False)

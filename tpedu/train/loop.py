@@ -1,8 +1,11 @@
-"""Lesson 07: train the tensor-parallel novel GPT (`train`), and in 3D (`train_3d`, lesson 12).
+"""Lesson 07: train the tensor-parallel novel GPT, and (lesson 12) in 3D: one `train` for both.
 
-`train(...)` runs on every rank (launched by `tpedu.launch`, the CLI, or torchrun). Every rank
-of the TP group builds the same dense model from the same seed, shards it, draws the same batch
-(seeded by the step), and updates only its own shards; the loss is the same on every rank.
+`train(config, cfg, ..., parallel=ParallelConfig(...))` runs on every rank (launched by
+`tpedu.launch`, the CLI, or torchrun). Plain tensor parallelism (`parallel.tp_only`) runs a
+model of the whole depth on every rank; anything else (pipeline, DP replicas, ZeRO-1,
+micro-batches) runs the 3D step, `step_3d`. Both go through the one loop, `run_loop`. Every
+rank of a TP group builds the same dense model from the same seed, shards it, draws the same
+batch (seeded by the step), and updates only its own shards.
 
 Saved models are a directory: `config.json` (model + training settings), `tokenizer.json`, and
 `model.safetensors` with the *dense* state dict (gathered from the shards), written atomically
@@ -29,8 +32,9 @@ from tpedu.launcher import device
 from tpedu.model.config import GPTConfig
 from tpedu.model.dense import DenseGPT
 from tpedu.model.gpt import TPGPT
+from tpedu.parallel.config import ParallelConfig
 from tpedu.parallel.data_parallel import DataParallel, ZeRO1
-from tpedu.parallel.mesh import Layout, Mesh
+from tpedu.parallel.mesh import Mesh
 from tpedu.parallel.pipeline.runtime import (
     Pipe,
     StepResult,
@@ -70,10 +74,17 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * min(frac, 1.0)))
 
 
-def build_model(config: GPTConfig, seed: int, group: dist.ProcessGroup | None = None) -> TPGPT:
-    """The same dense initialisation on every rank (same seed), sharded over `group`."""
+def build_model(
+    config: GPTConfig,
+    seed: int,
+    group: dist.ProcessGroup | None = None,
+    parallel: ParallelConfig | None = None,
+) -> TPGPT:
+    """The same dense initialisation on every rank (same seed), sharded over `group`, run as
+    `parallel` says (sequence parallelism, recompute, overlap)."""
     torch.manual_seed(seed)
-    return TPGPT(DenseGPT(config), group).to(device())
+    options = parallel.model_options() if parallel else {}
+    return TPGPT(DenseGPT(config), group, **options).to(device())
 
 
 def count_parameters(config: GPTConfig) -> int:
@@ -144,10 +155,17 @@ def train(
     val_ids: torch.Tensor,
     out: str | None = None,
     tok: object | None = None,
+    parallel: ParallelConfig | None = None,
 ) -> dict:
-    """Train on every rank of the default group (tp = world size); return a summary dict."""
-    tp = dist.get_world_size()
-    model = build_model(config, cfg.seed)
+    """Train on every rank of the world as `parallel` says (None: tensor parallelism over the
+    whole world); return a summary dict (the same on every rank)."""
+    parallel = parallel or ParallelConfig(tp=dist.get_world_size())
+    parallel.layout.check_world(dist.get_world_size())
+    parallel.check(config)
+    if not parallel.tp_only:
+        return _train_3d(config, parallel, cfg, train_ids, val_ids, out, tok)
+    tp = parallel.tp
+    model = build_model(config, cfg.seed, parallel=parallel)
     opt = make_optimizer(model, cfg)
     first = resume_from(cfg, model, opt)  # 0 unless cfg.resume
 
@@ -161,9 +179,9 @@ def train(
         f"train tp={tp}",
         step,
         evaluate=lambda: evaluate(model, val_ids, cfg, cfg.eval_batches),
-        save=lambda k: save_if_due(cfg, k, model, opt, tok=tok),
+        save=lambda k: save_if_due(cfg, k, model, opt, parallel=parallel, tok=tok),
     )
-    summary = _summary(config, cfg, losses, history, seconds, model, tp=tp)
+    summary = _summary(config, parallel, cfg, losses, history, seconds, model, tp=tp)
     if out is not None:
         _write_dense(model.gather_state_dict(), config, cfg, out, tok)
     return summary
@@ -216,6 +234,7 @@ def _write_dense(
 
 def _summary(
     config: GPTConfig,
+    parallel: ParallelConfig,
     cfg: TrainConfig,
     losses: list[float],
     history: list[dict],
@@ -235,7 +254,11 @@ def _summary(
         **layout,
         "losses": losses,
         "history": history,
-        "settings": {"model": config.to_dict(), "train": asdict(cfg)},
+        "settings": {
+            "model": config.to_dict(),
+            "parallel": parallel.to_dict(),
+            "train": asdict(cfg),
+        },
     }
 
 
@@ -308,52 +331,49 @@ def step_3d(
     return res, norm
 
 
-def train_3d(
+def _train_3d(
     config: GPTConfig,
+    parallel: ParallelConfig,
     cfg: TrainConfig,
     train_ids: torch.Tensor,
     val_ids: torch.Tensor,
-    tp: int = 1,
-    pp: int = 1,
-    dp: int = 1,
-    micro_batches: int | None = None,
-    zero: bool = False,
-    kind: str = "1f1b",
     out: str | None = None,
     tok: object | None = None,
-    chunks: int = 1,
 ) -> dict:
     """Train with tp·pp·dp ranks (the world); the same losses as one process, step by step.
 
     `cfg.batch` is the global batch: each DP replica draws its slice of the same global batch
-    (`packed_batch(..., dp_rank, dp)`), splits it into `micro_batches` for the pipeline
-    (schedule `kind`: "1f1b", "gpipe", or "interleaved" with `chunks` model chunks per rank),
-    and every TP/PP rank of a replica sees the same data. Per step: the
+    (`packed_batch(..., dp_rank, dp)`), splits it into `parallel.micro_batches` for the
+    pipeline (`parallel.schedule`: "1f1b", "gpipe", or "interleaved" with `parallel.chunks`
+    model chunks per rank), and every TP/PP rank of a replica sees the same data. Per step: the
     pipeline's point-to-point sends, bucketed DP all-reduces during the last micro-batch's
     backward, the tied-embedding all-reduce (first + last stage), 2 all-reduces for the gradient
-    norm, and with `zero` (ZeRO-1) one broadcast per DP rank after the optimizer step.
+    norm, and with ZeRO-1 one broadcast per DP rank after the optimizer step.
     Dropout masks depend on a tensor's batch position, so with dropout > 0 micro-batching
     changes them: the step-by-step match with one process holds for dropout = 0.
     """
-    layout = Layout(tp, pp, dp)
-    mesh = Mesh(layout)
+    tp, pp, dp, kind, zero = parallel.tp, parallel.pp, parallel.dp, parallel.schedule, parallel.zero
+    mesh = Mesh(parallel.layout)
     if cfg.batch % dp:
         raise ValueError(
             f"the global batch {cfg.batch} is not divisible by dp={dp}; "
             f"use a batch that is a multiple of {dp}"
         )
     b = cfg.batch // dp
-    m = micro_batches or default_micro_batches(b, pp)
+    m = parallel.micro_batches or default_micro_batches(b, pp)
     if b % m:
         raise ValueError(
             f"the per-replica batch {b} (= batch / dp) is not divisible by "
             f"{m} micro-batches; choose a divisor of {b}"
         )
-    acts = pipeline_schedule(kind, m, pp, mesh.pp_rank, chunks)  # raises before any model exists
-    forward_only = [("F", j, c) for c in range(chunks) for j in range(m)]
+    v = parallel.chunks
+    acts = pipeline_schedule(kind, m, pp, mesh.pp_rank, v)  # raises before any model exists
+    forward_only = [("F", j, c) for c in range(v) for j in range(m)]
     torch.manual_seed(cfg.seed)
-    models = build_stage_chunks(DenseGPT(config), mesh.tp_group, mesh.pp_rank, pp, chunks)
-    chunks = [c.to(device()) for c in models]  # from here on: this rank's model chunks
+    dense = DenseGPT(config)
+    split, options = parallel.stage_split, parallel.model_options()
+    models = build_stage_chunks(dense, mesh.tp_group, mesh.pp_rank, pp, v, split, **options)
+    chunks = [c.to(device()) for c in models]  # this rank's model chunks
     stage = torch.nn.ModuleList(chunks)  # all of this rank's parameters
     dpar = DataParallel(stage, mesh.dp_group) if dp > 1 else None
     if zero:
@@ -368,7 +388,7 @@ def train_3d(
         opt = make_optimizer(stage, cfg)
     first = resume_from(cfg, chunks, opt)  # 0 unless cfg.resume
     pipe = Pipe.from_mesh(mesh)
-    seq = config.seq_len // (tp if getattr(config, "sequence_parallel", False) else 1)
+    seq = config.seq_len // (tp if parallel.sequence_parallel else 1)
     shape, dtype = (b // m, seq, config.hidden), next(stage.parameters()).dtype
 
     def micro(ids: torch.Tensor, step: int, seed: int) -> tuple[list, list]:
@@ -401,11 +421,12 @@ def train_3d(
         f"train tp={tp} pp={pp} dp={dp}",
         step,
         evaluate=evaluate_3d,
-        save=lambda k: save_if_due(cfg, k, chunks, opt, mesh=mesh, zero1=zero, tok=tok),
+        save=lambda k: save_if_due(cfg, k, chunks, opt, mesh=mesh, parallel=parallel, tok=tok),
     )
-    stages = [[r.start, r.stop] for r in stage_layers(config, pp * len(chunks))]
+    stages = [[r.start, r.stop] for r in stage_layers(config, pp * v, parallel.stage_split)]
     summary = _summary(
         config,
+        parallel,
         cfg,
         losses,
         history,
@@ -415,20 +436,23 @@ def train_3d(
         pp=pp,
         dp=dp,
         micro_batches=m,
-        zero1=zero,
+        zero1=bool(zero),
         schedule=kind,
-        chunks=len(chunks),
+        chunks=v,
         stages=stages,
     )
     if out is not None:
-        _write_dense(gather_pipeline_state(chunks, mesh), config, cfg, out, tok)
+        state = gather_pipeline_state(chunks, mesh, parallel.stage_split)
+        _write_dense(state, config, cfg, out, tok)
     return summary
 
 
-def gather_pipeline_state(chunks: Sequence[TPGPT], mesh: Mesh) -> dict[str, torch.Tensor]:
+def gather_pipeline_state(
+    chunks: Sequence[TPGPT], mesh: Mesh, split: str = "even"
+) -> dict[str, torch.Tensor]:
     """The whole dense state dict on global rank 0 (others: their stage's part). Collective.
 
-    `chunks`: this rank's TPGPT chunks. Each stage gathers its TP shards; then tp_rank 0 of
+    `chunks`: this rank's TPGPT chunks, cut with stage split `split`. Each stage gathers its TP shards; then tp_rank 0 of
     replica 0 of every later stage sends its tensors to rank 0 (sorted by name, blocking
     send/recv: only rank 0 receives, so no cycle).
     """
@@ -440,11 +464,12 @@ def gather_pipeline_state(chunks: Sequence[TPGPT], mesh: Mesh) -> dict[str, torc
             collectives.send(state[name].contiguous(), 0, mesh.pp_group)
         return state
     config, pp = chunks[0].config, mesh.layout.pp
+    stages = stage_layers(config, pp * len(chunks), split)
     with torch.device("meta"):
         shapes = DenseGPT(config).state_dict()
     for s in range(1, pp):
         src = mesh.members["pp"][s]
-        for name in sorted(n for n in shapes if stage_of(n, config, pp, len(chunks)) == s):
+        for name in sorted(n for n in shapes if stage_of(n, stages, pp) == s):
             buf = torch.empty(
                 shapes[name].shape, dtype=state["tok_emb.weight"].dtype, device=device()
             )

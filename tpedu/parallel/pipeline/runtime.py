@@ -172,11 +172,21 @@ def run_schedule(
 
 
 def build_stage_chunks(
-    dense: nn.Module, tp_group: dist.ProcessGroup | None, stage: int, stages: int, chunks: int = 1
+    dense: nn.Module,
+    tp_group: dist.ProcessGroup | None,
+    stage: int,
+    stages: int,
+    chunks: int = 1,
+    split: str = "even",
+    **options: bool | str,
 ) -> list[nn.Module]:
-    """This rank's TPGPT chunks: chunk c holds the layers of virtual stage c·stages + stage."""
-    parts = stage_layers(dense.config, stages * chunks)
-    return [TPGPT(dense, tp_group, layers=parts[c * stages + stage]) for c in range(chunks)]
+    """This rank's TPGPT chunks: chunk c holds the layers of virtual stage c·stages + stage
+    (`stage_layers(..., split)`); `options` are TPGPT's keyword arguments (sequence_parallel,
+    recompute, overlap_comm), e.g. `ParallelConfig.model_options()`."""
+    parts = stage_layers(dense.config, stages * chunks, split)
+    return [
+        TPGPT(dense, tp_group, layers=parts[c * stages + stage], **options) for c in range(chunks)
+    ]
 
 
 def sync_tied_grads(chunks: Sequence[nn.Module], emb_group: dist.ProcessGroup | None) -> None:

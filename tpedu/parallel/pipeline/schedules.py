@@ -5,8 +5,8 @@ through them.
     stage p-1: blocks[..:n] + final norm + head + loss
     gradients w.r.t. the activations travel back the same way (◀──grad──)
 
-`partition` / `stage_layers` choose a, b, ...: equal block counts, or (GPTConfig.stage_split =
-"flops") fewer blocks on the last stage, whose head `head_cost` prices in blocks.
+`partition` / `stage_layers` choose a, b, ...: equal block counts, or (ParallelConfig.stage_split
+= "flops") fewer blocks on the last stage, whose head `head_cost` prices in blocks.
 
 A schedule is, per stage, the list of actions it runs in order: ("F", mb) / ("B", mb), or with
 virtual stages ("F", mb, chunk). Three schedules:
@@ -87,18 +87,21 @@ def head_cost(config: GPTConfig) -> float:
     return 2 * c.hidden * c.vocab_size / (2 * c.hidden * width + 2 * c.seq_len * c.hidden)
 
 
-def stage_layers(config: GPTConfig, stages: int) -> list[range]:
-    """The layers of each stage, as `config.stage_split` says: "even" or "flops" (`head_cost`)."""
-    cost = head_cost(config) if config.stage_split == "flops" else 0.0
+def stage_layers(config: GPTConfig, stages: int, split: str = "even") -> list[range]:
+    """The layers of each stage, as `split` says: "even", or "flops" (the head as `head_cost`)."""
+    if split not in ("even", "flops"):
+        raise ValueError(f"stage_split must be 'even' or 'flops', got {split!r}")
+    cost = head_cost(config) if split == "flops" else 0.0
     return partition(config.n_layers, stages, cost)
 
 
-def stage_of(name: str, config: GPTConfig, pp: int, chunks: int = 1) -> int:
+def stage_of(name: str, stages: list[range], pp: int) -> int:
     """The pipeline rank that holds the dense tensor `name`: embeddings on the first, the final
-    norm and head on the last, block i on the rank of its virtual stage (c·pp + s is on rank s)."""
+    norm and head on the last, block i on the rank of its virtual stage (c·pp + s is on rank s).
+    `stages`: the layers of each virtual stage (`stage_layers`)."""
     if name.startswith("blocks."):
         i = int(name.split(".")[1])
-        return next(vs for vs, r in enumerate(stage_layers(config, pp * chunks)) if i in r) % pp
+        return next(vs for vs, r in enumerate(stages) if i in r) % pp
     return 0 if name.split(".")[0] in ("tok_emb", "pos_emb") else pp - 1
 
 

@@ -1,0 +1,103 @@
+"""Lessons 08–14: `ParallelConfig`, how a model runs, kept apart from what it is (`GPTConfig`).
+
+torchtitan's rule: the model stays plain, and parallelism is applied to it from a separate
+config. Every field here changes how the work is spread over ranks, never the function the
+model computes or the tensors it stores, so a checkpoint saved under one ParallelConfig loads
+under any other (lesson 13):
+
+    tp, pp, dp          the 3D layout (lesson 12; `Layout`, `Mesh`)
+    schedule, chunks    the pipeline schedule and model chunks per pipeline rank (lesson 10)
+    micro_batches       per step, with pp > 1 (None: the largest ≤ 2·pp dividing the batch)
+    stage_split         "even" blocks per stage, or "flops" (the head counted in blocks)
+    sequence_parallel   norms, dropout, residuals on s/t positions between TP regions (lesson 08)
+    recompute           "none", "selective" (attention core) or "full" (whole block) (lesson 09)
+    overlap_comm        f's backward all-reduce overlapped with dL/dW (lesson 14)
+    zero                0, or 1: AdamW's states sharded over the DP ranks (lesson 11)
+
+`model_options()` is what `TPGPT` takes of it: the model layer does not import this one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+from tpedu.model.config import RECOMPUTE, GPTConfig
+from tpedu.parallel.mesh import Layout
+from tpedu.parallel.pipeline.schedules import partition, schedule
+from tpedu.tp.sequence_parallel import check_sequence_length
+
+SCHEDULES = ("1f1b", "gpipe", "interleaved")
+STAGE_SPLITS = ("even", "flops")
+ZERO_LEVELS = (0, 1)
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How a GPT runs on tp·pp·dp ranks. Checked on construction (field by field) and against a
+    model by `check(config)`; both raise a ValueError naming the field and the fix."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    schedule: str = "1f1b"
+    chunks: int = 1
+    micro_batches: int | None = None
+    stage_split: str = "even"
+    sequence_parallel: bool = False
+    recompute: str = "none"
+    overlap_comm: bool = False
+    zero: int = 0
+
+    def __post_init__(self) -> None:
+        Layout(self.tp, self.pp, self.dp)  # positive integers
+        for name, choices in (
+            ("schedule", SCHEDULES),
+            ("stage_split", STAGE_SPLITS),
+            ("recompute", RECOMPUTE),
+            ("zero", ZERO_LEVELS),
+        ):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
+        if self.micro_batches is not None and self.micro_batches < 1:
+            raise ValueError(f"micro_batches must be at least 1, got {self.micro_batches}")
+        schedule(self.schedule, self.micro_batches or self.pp, self.pp, 0, self.chunks)
+
+    @property
+    def layout(self) -> Layout:
+        return Layout(self.tp, self.pp, self.dp)
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def tp_only(self) -> bool:
+        """Whether the tensor-parallel loop runs it (no pipeline, no replicas, no ZeRO)."""
+        return (self.pp, self.dp, self.chunks, self.zero) == (1, 1, 1, 0) and not self.micro_batches
+
+    def model_options(self) -> dict[str, object]:
+        """TPGPT's keyword arguments: what of this config the model itself needs."""
+        return {
+            "sequence_parallel": self.sequence_parallel,
+            "recompute": self.recompute,
+            "overlap_comm": self.overlap_comm,
+        }
+
+    def check(self, config: GPTConfig) -> None:
+        """Raise a ValueError naming the problem (and the fix) if `config` cannot run so."""
+        config.check(self.tp)
+        partition(config.n_layers, self.pp * self.chunks)
+        if self.sequence_parallel:  # the batch's own s is checked again at run time
+            check_sequence_length(config.seq_len, self.tp)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict) -> ParallelConfig:
+        """A config from `to_dict()`'s output; unknown keys are refused by name."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown ParallelConfig fields {unknown}; known: {sorted(known)}")
+        return cls(**values)
