@@ -9,7 +9,7 @@ QUIET_PIP := sed -u '/is ignored: it is neither a file nor a directory/d'
 SHELL := /bin/bash
 .SHELLFLAGS := -o pipefail -c
 
-.PHONY: setup lab test lint format grade notebooks demo clean
+.PHONY: setup lab test lint format grade notebooks demo clean gpu-check
 
 setup: $(STAMP)
 
@@ -57,3 +57,9 @@ DEMO_ARGS ?= --layers 4 --hidden 128 --heads 4 --seq 128 --batch 16 --steps 300 
 demo: $(STAMP)
 	$(PY) -m tpedu train --tp 2 $(DEMO_ARGS) --out runs/demo
 	$(PY) -m tpedu generate --tp 2 --model runs/demo --prompt "却说宝玉" --max-new-tokens 200
+
+# On a machine with CUDA GPUs: bf16/fp16 steps, TP == dense, generation and checkpoints on the
+# GPU, two ranks on one GPU over gloo, MFU of GPT-2 small (a few minutes; add ARGS=--notebooks
+# for every lesson under nbval on CUDA). `ARGS=--device cpu` runs the same checks on CPU ranks.
+gpu-check: $(STAMP)
+	$(PY) -m tpedu.course.gpu_check $(ARGS)

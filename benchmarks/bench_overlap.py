@@ -5,11 +5,11 @@
 
 TP: a stack of Megatron MLPs (column fc1 -> GELU -> row fc2), forward + backward, with fc1
 either tpedu.tp.layers.column_parallel_linear (f, then F.linear: nothing overlaps) or
-tpedu.tp.overlap.linear_with_async_grad_allreduce (all-reduce of dL/dx issued before dL/dW).
+tpedu.tp.overlap.linear_with_async_grad_all_reduce (all-reduce of dL/dx issued before dL/dW).
 
 DP: the benchmark model (harness.CONFIG, dense) on dp ranks, the global batch harness.BATCH
 split over them; forward + backward + gradient averaging, three ways on identical weights:
-"after" = backward, then tpedu.parallel.data_parallel.allreduce_grads (one blocking all-reduce per
+"after" = backward, then tpedu.parallel.data_parallel.all_reduce_grads (one blocking all-reduce per
 parameter: no overlap, no buckets); "bucketed" = backward, then DataParallel's buckets
 all-reduced (the same messages as overlapped, launched only after backward); "overlap" =
 DataParallel: each bucket's async all-reduce launched from the backward hooks as soon as its
@@ -32,9 +32,9 @@ import tpedu
 from tpedu.comm.tracer import CommTracer
 from tpedu.model.config import GPTConfig
 from tpedu.model.dense import DenseGPT
-from tpedu.parallel.data_parallel import DataParallel, allreduce_grads
+from tpedu.parallel.data_parallel import DataParallel, all_reduce_grads
 from tpedu.tp.layers import column_parallel_linear, row_parallel_linear
-from tpedu.tp.overlap import linear_with_async_grad_allreduce
+from tpedu.tp.overlap import linear_with_async_grad_all_reduce
 from tpedu.tp.sharding import shard
 
 
@@ -63,7 +63,7 @@ def worker(reps: int, tokens: int, hidden: int, layers: int) -> dict:
     t = interleaved(
         {
             "plain": lambda: run(column_parallel_linear),
-            "async": lambda: run(linear_with_async_grad_allreduce),
+            "async": lambda: run(linear_with_async_grad_all_reduce),
         },
         reps,
     )
@@ -95,7 +95,7 @@ def dp_worker(reps: int, config: GPTConfig, buckets: list[int]) -> dict:
         if how == "bucketed":
             dpar.finish()  # every bucket launched now, after backward
         else:
-            allreduce_grads(model.parameters())
+            all_reduce_grads(model.parameters())
 
     variants = {"after": ("after", 0)}
     for i, n in enumerate(buckets):

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 
-def scatter_to_sequence_parallel_region(
+def scatter_to_sp_region(
     x: torch.Tensor, group: dist.ProcessGroup | None = None, dim: int = 1
 ) -> torch.Tensor:
     """x [b, s, H] (the same on every rank) -> this rank's chunk [b, s/t, H] along `dim`.
@@ -30,7 +30,7 @@ def scatter_to_sequence_parallel_region(
     )
 
 
-def gather_from_sequence_parallel_region(
+def gather_from_sp_region(
     x: torch.Tensor,
     group: dist.ProcessGroup | None = None,
     dim: int = 1,
@@ -49,7 +49,7 @@ def gather_from_sequence_parallel_region(
     )
 
 
-def reduce_scatter_to_sequence_parallel_region(
+def reduce_scatter_to_sp_region(
     x: torch.Tensor, group: dist.ProcessGroup | None = None, dim: int = 1
 ) -> torch.Tensor:
     """ḡ: partial sums [b, s, H] (one per rank) -> this rank's chunk of their sum [b, s/t, H].
@@ -62,7 +62,7 @@ def reduce_scatter_to_sequence_parallel_region(
     )
 
 
-def allreduce_sequence_parallel_grads(
+def all_reduce_sequence_parallel_grads(
     params: Iterable[torch.nn.Parameter], group: dist.ProcessGroup | None = None
 ) -> None:
     """Sum the gradients of `params` over the group, in place, with ONE all-reduce.

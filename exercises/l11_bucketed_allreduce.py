@@ -26,7 +26,7 @@ def assign_buckets(numels: Sequence[int], bucket_numel: int) -> list[list[int]]:
     )
 
 
-def allreduce_bucket(
+def all_reduce_bucket(
     grads: Sequence[torch.Tensor], group: dist.ProcessGroup | None = None
 ) -> list[torch.Tensor]:
     """Average tensors of any shapes over `group` with exactly ONE all-reduce.

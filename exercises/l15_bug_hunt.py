@@ -20,7 +20,7 @@ def copy_to_tp_region(x: torch.Tensor, group: dist.ProcessGroup | None = None) -
     """f: x [...] -> x [...] (the same values). Forward: no communication. Backward: the
     gradient is all-reduced (summed) over `group`, exactly once per use.
 
-    Broken twin (bug `no_backward_allreduce`): its backward returns the local gradient.
+    Broken twin (bug `no_backward_all_reduce`): its backward returns the local gradient.
     Symptom: loss identical to tp=1, but every gradient before the layer differs.
     """
     raise NotImplementedError(

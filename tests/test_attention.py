@@ -53,7 +53,7 @@ def _compare_worker(nq, nkv, b, s, bias=True):
     out["dbo"] = _max(par.out_proj.dense_bias(grad=True), dense.out.bias.grad) if bias else 0.0
     if par.kv_replicas > 1:  # before the sync a replica holds only its own q heads' share
         out["unsynced"] = _max(par.dense_qkv_weight(grad=True), dense.qkv.weight.grad)
-    par.allreduce_replicated_kv_grads()
+    par.all_reduce_replicated_kv_grads()
     out["dWqkv"] = _max(par.dense_qkv_weight(grad=True), dense.qkv.weight.grad)
     out["dbqkv"] = _max(par.dense_qkv_bias(grad=True), dense.qkv.bias.grad) if bias else 0.0
     out["Wqkv"] = _max(par.dense_qkv_weight(), dense.qkv.weight)

@@ -1,4 +1,4 @@
-"""The scaling benchmark's code path on a tiny model: a well-formed row, the right loss, and
+"""The benchmarks' code paths on a tiny model: a well-formed row, the right loss, and
 traced communication volumes equal to their formulas. No timing is asserted."""
 
 import importlib
@@ -72,3 +72,9 @@ def test_dtensor_worker_tiny():
     assert r["comm"] > 0  # tpedu's collectives were timed
     for sys_s, faults in r["kernel"].values():
         assert sys_s >= 0 and faults >= 0
+
+
+def test_precision_benchmark_times_every_dtype_tiny():
+    harness, bench = _bench("harness"), _bench("bench_precision")
+    times = tpedu.launch(bench.worker, 2, 1, harness.TINY, backend=harness.BACKEND)[0]
+    assert sorted(times) == ["bf16", "fp16", "fp32"] and all(t > 0 for t in times.values())

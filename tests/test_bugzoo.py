@@ -58,12 +58,12 @@ def test_patches_are_undone_and_names_checked():
         return [
             tp_ops.CopyToTPRegion.__dict__["backward"],
             tp_ops.ReduceFromTPRegion.__dict__["forward"],
-            gpt.allreduce_sequence_parallel_grads,
+            gpt.all_reduce_sequence_parallel_grads,
             vocab_parallel._mask_padding,
             vocab_parallel.vocab_parallel_argmax,
             attention.split_qkv,
             attention.local_heads,
-            attention.ParallelAttention.allreduce_replicated_kv_grads,
+            attention.ParallelAttention.all_reduce_replicated_kv_grads,
             mesh.Layout.tp_groups,
             schedules.one_f_one_b,
             gpt.index_dropout,
@@ -80,7 +80,7 @@ def test_patches_are_undone_and_names_checked():
     with pytest.raises(ZeroDivisionError), broken("fused_qkv_naive_split"):
         _ = 1 / 0
     assert attention.split_qkv is originals[5]
-    with pytest.raises(ValueError, match="unknown bug 'nope'; the zoo has: no_backward_allreduce"):
+    with pytest.raises(ValueError, match="unknown bug 'nope'; the zoo has: no_backward_all_reduce"):
         broken("nope")
     assert all(name in catalogue() for name in BUGS)
 

@@ -147,3 +147,20 @@ def test_out_does_not_replace_a_directory_of_other_files(tmp_path):
     )
     assert [p.name for p in tmp_path.iterdir()] == ["todo.txt"]
     assert (tmp_path / "todo.txt").read_text() == "keep me"
+
+
+def test_train_in_bf16_and_fp16_from_the_command_line(trained):
+    """--dtype reaches the loop (the losses move off fp32's, the summary records it); fp16
+    reports its loss scale; --grad-reduce low is accepted with --dp."""
+    _, fp32 = trained
+    for dtype in ("bf16", "fp16"):
+        p = tpedu("train", "--tp", "2", *SMALL, "--dtype", dtype)
+        assert p.returncode == 0, p.stderr
+        s = summary_of(p.stdout)
+        assert s["settings"]["train"]["dtype"] == dtype
+        assert s["final_val_loss"] != fp32["final_val_loss"]
+        assert abs(s["final_val_loss"] - fp32["final_val_loss"]) < 0.02 * fp32["final_val_loss"]
+        assert ("loss_scale" in s) == (dtype == "fp16")
+    p = tpedu("train", "--tp", "1", "--dp", "2", *SMALL, "--dtype", "bf16", "--grad-reduce", "low")
+    assert p.returncode == 0, p.stderr
+    assert summary_of(p.stdout)["settings"]["train"]["grad_reduce"] == "low"

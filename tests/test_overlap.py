@@ -6,7 +6,7 @@ import torch.distributed as dist
 from tpedu import launch
 from tpedu.comm.tracer import CommTracer
 from tpedu.tp.layers import column_parallel_linear
-from tpedu.tp.overlap import linear_with_async_grad_allreduce, record_events
+from tpedu.tp.overlap import linear_with_async_grad_all_reduce, record_events
 from tpedu.tp.sharding import shard
 
 
@@ -22,7 +22,7 @@ def _worker():
         dy = torch.randn(3, 5, 4 * tp, generator=g, dtype=torch.float64)
         res = {}
         for name, fn in (
-            ("async", linear_with_async_grad_allreduce),
+            ("async", linear_with_async_grad_all_reduce),
             ("plain", column_parallel_linear),
         ):
             x = x0.clone().requires_grad_()
@@ -48,7 +48,7 @@ def _worker():
         res["dense"] = (x.grad, shard(w.grad, 0, group), shard(b.grad, 0, group))
         # an input that needs no gradient: nothing to all-reduce
         with record_events() as ev:
-            y = linear_with_async_grad_allreduce(
+            y = linear_with_async_grad_all_reduce(
                 x0, shard(w0, 0, group).requires_grad_(), None, group
             )
             y.sum().backward()

@@ -234,3 +234,41 @@ def test_a_mismatched_pipeline_ends_in_a_clear_error():
 
     with pytest.raises((LaunchTimeout, RankError), match="gave up waiting for the activation"):
         launch(worker, 2, timeout=20)
+
+
+def _edge_groups(config, layout):
+    """Which group each point-to-point send of an interleaved step used: {(kind, to): name}."""
+    from tpedu.comm import collectives
+    from tpedu.parallel.pipeline import runtime
+
+    mesh = Mesh(layout)
+    names = {id(mesh.groups[k]): k for k in ("pp", "pp_grad", "pp_wrap", "pp_grad_wrap")}
+    seen = set()
+    real = collectives.isend
+
+    def isend(x, dst, group=None):
+        seen.add((dst, names[id(group)]))
+        return real(x, dst, group)
+
+    torch.manual_seed(0)
+    models = build_stage_chunks(DenseGPT(config), mesh.tp_group, mesh.pp_rank, 2, 2)
+    ids, tgt = micro(config, 2, 2, 7)
+    acts = schedule("interleaved", 2, 2, mesh.pp_rank, 2)
+    runtime.collectives.isend = isend
+    try:
+        pipe = Pipe.from_mesh(mesh)
+        run_schedule(models, acts, pipe, list(ids.chunk(2)), list(tgt.chunk(2)), (2, 7, 16))
+    finally:
+        runtime.collectives.isend = real
+    return sorted(seen)
+
+
+def test_the_interleaved_wrap_around_edge_has_its_own_groups():
+    """pp 2, 2 chunks: stage 0 -> 1 carries activations on "pp", and 1 -> 0 (to chunk 1) on
+    "pp_wrap"; gradients go 1 -> 0 on "pp_grad" and 0 -> 1 (back to chunk 0) on
+    "pp_grad_wrap". One NCCL communicator carrying both directions between the same two ranks
+    can deadlock; gloo cannot show the hang, so the test checks the groups."""
+    deep = GPTConfig.gpt2_like(37, seq_len=7, n_layers=4, hidden=16, n_heads=2)
+    stage0, stage1 = launch(_edge_groups, 2, deep, Layout(1, 2, 1))
+    assert stage0 == [(1, "pp"), (1, "pp_grad_wrap")]
+    assert stage1 == [(0, "pp_grad"), (0, "pp_wrap")]

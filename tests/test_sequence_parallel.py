@@ -21,7 +21,7 @@ from tpedu.model.gpt import TPGPT
 from tpedu.parallel.config import ParallelConfig
 from tpedu.tp.sequence_parallel import (
     all_gather_linear,
-    allreduce_sequence_parallel_grads,
+    all_reduce_sequence_parallel_grads,
     check_sequence_length,
     sequence_chunk,
     sequence_parallel_params,
@@ -69,7 +69,7 @@ def compare_all(names):
         loss.backward()
         model.sync_grads(sequence_parallel_grads=False)  # the bug: norms see 1/t of the sequence
         buggy = model.gather_state_dict(grads=True)
-        allreduce_sequence_parallel_grads(sequence_parallel_params(model), model.group)  # the fix
+        all_reduce_sequence_parallel_grads(sequence_parallel_params(model), model.group)  # the fix
         fixed = model.gather_state_dict(grads=True)
         dense_grads = {n: p.grad for n, p in dense.named_parameters()}
         names = {id(p): n for n, p in model.named_parameters()}

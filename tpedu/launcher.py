@@ -19,6 +19,10 @@ starting ranks misbehave in a Jupyter kernel; each rule below answers one measur
 - the process-group timeout is short; a rank that raises, dies or hangs is detected, every rank
   is killed and joined (no zombies, no orphans), and the *original* failure is raised with its
   rank and traceback (the first error to arrive is often another rank's "connection closed").
+- SIGTERM to the launching process (a cluster taking the node back) is passed on to every rank,
+  not turned into a kill: training saves and stops (lesson 13, tpedu.train.preempt). The wait
+  for the ranks is then bounded by the collective timeout. When every rank raises a `Stopped`
+  exception (every rank chose to stop together), rank 0's is raised as itself, not a RankError.
 
 Under torchrun (single- or multi-node), `run(worker, n)` joins the job instead of launching.
 """
@@ -79,6 +83,12 @@ class RankError(RuntimeError):
         self.remote_traceback = remote_traceback
 
 
+class Stopped(Exception):
+    """Raised by every rank to end a job early on purpose, all agreeing (preemption:
+    tpedu.train.preempt.Preempted). `launch` re-raises rank 0's exception itself; under torchrun
+    it simply leaves `run` on every rank."""
+
+
 class LaunchTimeout(TimeoutError):
     """Some ranks did not finish within the timeout (a hang or a mismatched collective)."""
 
@@ -86,11 +96,12 @@ class LaunchTimeout(TimeoutError):
 @dataclass
 class _Failure:
     rank: int
-    kind: str  # "error", "init" (init_process_group itself failed) or "died"
+    kind: str  # "error", "init" (init_process_group itself failed), "died" or "stop" (Stopped)
     exc_type: str
     message: str
     traceback: str
     when: float
+    exc: BaseException | None = None  # the Stopped exception itself, for kind "stop"
 
     @property
     def secondary(self) -> bool:
@@ -119,9 +130,14 @@ def default_backend(world_size: int) -> str:
 
 
 def device() -> torch.device:
-    """The device this rank computes on: its own GPU under NCCL, else the CPU."""
+    """The device this rank computes on: its own GPU under NCCL, else the CPU, unless
+    $TPEDU_DEVICE=cuda puts every gloo rank's tensors on GPU 0: with one GPU (NCCL refuses
+    two ranks on one device) that still runs multi-rank code on CUDA tensors, over gloo's CUDA
+    collectives, so device-placement bugs show (tpedu.course.gpu_check uses it)."""
     if dist.is_initialized() and dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
+    if os.environ.get("TPEDU_DEVICE") == "cuda":
+        return torch.device("cuda", 0)
     return torch.device("cpu")
 
 
@@ -273,7 +289,8 @@ def _launch_once(job: _Job, show_stderr: bool, retry_init: bool = True) -> list[
             child_end.close()
             procs.append(p)
             conns[rank] = parent_end
-        results, failures, pending = _collect(procs, conns, job.timeout)
+        with _ForwardSigterm(procs, job.collective_timeout) as sigterm:
+            results, failures, pending = _collect(procs, conns, job.timeout, sigterm)
     finally:
         _kill_all(procs)
         for c in conns.values():
@@ -283,11 +300,14 @@ def _launch_once(job: _Job, show_stderr: bool, retry_init: bool = True) -> list[
         # gloo's "connection closed by peer"): no rank ran `fn`, so a new port is a clean retry.
         port_taken = retry_init and bool(failures) and all(f.kind == "init" for f in failures)
         if not port_taken:
-            _print_outputs(outdir, job.world_size, show_stderr or bool(failures))
+            errors = any(f.kind != "stop" for f in failures)
+            _print_outputs(outdir, job.world_size, show_stderr or errors)
         _cleanup_dir(outdir)
     if port_taken:
         raise _PortTaken()
     world_size, timeout = job.world_size, job.timeout
+    if len(failures) == world_size and all(f.kind == "stop" for f in failures):
+        raise min(failures, key=lambda f: f.rank).exc  # every rank stopped on purpose
     if failures and not (pending and all(f.secondary for f in failures)):
         raise _as_rank_error(failures, world_size)
     if pending:
@@ -295,6 +315,8 @@ def _launch_once(job: _Job, show_stderr: bool, retry_init: bool = True) -> list[
             f"\n  rank {f.rank}: {f.exc_type}: {f.message.splitlines()[0][:160]}" for f in failures
         )
         limit = f"within {timeout:g} s" if timeout is not None else "(a collective timed out)"
+        if sigterm.until is not None:
+            limit = f"within {job.collective_timeout:g} s of SIGTERM"
         raise LaunchTimeout(
             f"ranks {sorted(pending)} of {world_size} did not finish {limit} "
             "(a hang: a collective that not every rank called, or mismatched send/recv). "
@@ -304,10 +326,45 @@ def _launch_once(job: _Job, show_stderr: bool, retry_init: bool = True) -> list[
     return [results[r] for r in range(world_size)]
 
 
+class _ForwardSigterm:
+    """While the ranks run: SIGTERM to this process is sent on to every live rank (which may save
+    and stop), and sets `until`, the time by which they must have finished. Installed only after
+    the ranks are forked (they must not inherit it); a no-op outside the main thread."""
+
+    def __init__(self, procs: list[mp.process.BaseProcess], grace: float) -> None:
+        self.procs, self.grace = procs, grace
+        self.until: float | None = None
+        self.installed, self.previous = False, None
+
+    def __enter__(self) -> _ForwardSigterm:
+        with contextlib.suppress(ValueError):  # not the main thread: signals are not ours
+            self.previous = signal.signal(signal.SIGTERM, self._forward)
+            self.installed = True
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.installed:  # None: a handler set outside Python; the default is the best guess
+            signal.signal(
+                signal.SIGTERM, signal.SIG_DFL if self.previous is None else self.previous
+            )
+
+    def _forward(self, signum: int, frame: object) -> None:
+        if self.until is None:
+            self.until = time.monotonic() + self.grace
+        for p in self.procs:
+            if p.is_alive():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signal.SIGTERM)
+
+
 def _collect(
-    procs: list[mp.process.BaseProcess], conns: dict[int, Connection], timeout: float | None
+    procs: list[mp.process.BaseProcess],
+    conns: dict[int, Connection],
+    timeout: float | None,
+    sigterm: _ForwardSigterm | None = None,
 ) -> tuple[dict[int, Any], list[_Failure], set[int]]:
-    """Wait for every rank's report; stop early (after a short grace) once one fails."""
+    """Wait for every rank's report; stop early (after a short grace) once one fails, or
+    `sigterm.grace` seconds after a SIGTERM."""
     deadline = time.monotonic() + (timeout if timeout is not None else float("inf"))
     results: dict[int, Any] = {}
     failures: list[_Failure] = []
@@ -316,6 +373,8 @@ def _collect(
     while waiting:
         now = time.monotonic()
         limit = deadline if grace_until is None else min(deadline, grace_until)
+        if sigterm is not None and sigterm.until is not None:
+            limit = min(limit, sigterm.until)
         if now >= limit:
             break
         handles = [h for conn, sentinel in waiting.values() for h in (conn, sentinel)]
@@ -334,7 +393,7 @@ def _collect(
             if status == "ok":
                 results[rank] = payload
                 continue
-            if status in ("error", "init"):
+            if status in ("error", "init", "stop"):
                 failures.append(_Failure(rank, status, *payload))
             else:
                 procs[rank].join(timeout=1)
@@ -455,6 +514,9 @@ def _dumps(obj: Any) -> bytes:
 def _rank_main(job: _Job, rank: int, port: int, *, conn: Connection, outdir: str) -> None:
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides; it kills us on Ctrl-C
+    # SIGTERM ends a rank (the default, whatever the parent had) until the work installs its own
+    # handler (tpedu.train.preempt): the parent forwards SIGTERM, it does not kill.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     if not (job.stream and rank == 0):
         _redirect_output(outdir, rank)
     world_size, backend, threads = job.world_size, job.backend, job.threads
@@ -493,6 +555,8 @@ def _rank_main(job: _Job, rank: int, port: int, *, conn: Connection, outdir: str
             torch.cuda.synchronize()
         dist.destroy_process_group()
         message = ("ok", result)
+    except Stopped as e:  # on purpose, every rank agreeing: the exception itself goes back
+        message = ("stop", (type(e).__name__, str(e), traceback.format_exc(), time.time(), e))
     except BaseException as e:  # noqa: BLE001 - every failure must reach the parent
         message = ("error", (type(e).__name__, str(e), traceback.format_exc(), time.time()))
     _report(conn, message, rank)

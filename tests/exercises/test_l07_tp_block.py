@@ -75,7 +75,7 @@ def _worker(config: GPTConfig, step: int) -> dict:
         xt = x.clone().requires_grad_()
         yt = block(xt, step)
         (yt * dy).sum().backward()
-    block.attn.allreduce_replicated_kv_grads()  # GQA with tp > n_kv_heads: replicas' partials
+    block.attn.all_reduce_replicated_kv_grads()  # GQA with tp > n_kv_heads: replicas' partials
     with torch.no_grad():  # eval mode: every dropout (attention, its output, MLP) switches off
         ye = dense.eval()(x, step)
         yte = block.eval()(x, step)

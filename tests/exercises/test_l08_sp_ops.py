@@ -48,7 +48,7 @@ def _scatter_worker() -> list[str]:
     x = ints(0, (B, N * t, H)).requires_grad_()  # the same on every rank
     grads = [ints(10 + i, (B, N, H)) for i in range(t)]  # rank i's gradient
     with CommTracer() as trace:
-        y = m.scatter_to_sequence_parallel_region(x, None)
+        y = m.scatter_to_sp_region(x, None)
         y.backward(grads[r])
     bad = _diff("forward", y, x.detach()[:, r * N : (r + 1) * N])
     bad += _diff("backward", x.grad, torch.cat(grads, dim=1))
@@ -70,7 +70,7 @@ def _gather_worker() -> list[str]:
     for tp_grad in (True, False):
         x = shards[r].clone().requires_grad_()
         with CommTracer() as trace:
-            y = m.gather_from_sequence_parallel_region(x, None, 1, tp_grad)
+            y = m.gather_from_sp_region(x, None, 1, tp_grad)
             y.backward(grads[r])
         bad += _diff("forward", y, torch.cat(shards, dim=1))
         own = slice(r * N, (r + 1) * N)
@@ -96,7 +96,7 @@ def _reduce_scatter_worker() -> list[str]:
     grads = [ints(50 + i, (B, N, H)) for i in range(t)]
     x = partial[r].clone().requires_grad_()
     with CommTracer() as trace:
-        y = m.reduce_scatter_to_sequence_parallel_region(x, None)
+        y = m.reduce_scatter_to_sp_region(x, None)
         y.backward(grads[r])
     bad = _diff("forward", y, sum(partial)[:, r * N : (r + 1) * N])
     bad += _diff("backward", x.grad, torch.cat(grads, dim=1))
@@ -122,21 +122,21 @@ def _dim_worker() -> list[str]:
     shards = [ints(60 + i, (N, 4)) for i in range(t)]
     grads = [ints(65 + i, (N * t, 4)) for i in range(t)]  # each rank's partial gradient
     x = shards[r].clone().requires_grad_()
-    y = m.gather_from_sequence_parallel_region(x, None, 0)
+    y = m.gather_from_sp_region(x, None, 0)
     y.backward(grads[r])
     bad = _diff("gather dim=0", y, torch.cat(shards, dim=0))
     bad += _diff("gather dim=0 backward (reduce-scatter dim 0)", x.grad, sum(grads)[own])
     partial = [ints(70 + i, (2, 3, N * t)) for i in range(t)]
     grads = [ints(75 + i, (2, 3, N)) for i in range(t)]
     x = partial[r].clone().requires_grad_()
-    z = m.reduce_scatter_to_sequence_parallel_region(x, None, -1)
+    z = m.reduce_scatter_to_sp_region(x, None, -1)
     z.backward(grads[r])
     bad += _diff("reduce_scatter dim=-1", z, sum(partial)[..., own])
     bad += _diff(
         "reduce_scatter dim=-1 backward (all-gather dim -1)", x.grad, torch.cat(grads, dim=-1)
     )
     x = partial[0].clone().requires_grad_()
-    w = m.scatter_to_sequence_parallel_region(x, None, -1)
+    w = m.scatter_to_sp_region(x, None, -1)
     w.backward(grads[r])
     bad += _diff("scatter dim=-1", w, partial[0][..., own])
     return bad + _diff(
@@ -158,13 +158,13 @@ def _group_worker() -> list[str]:
     x = ints(0, (B, n * t, H))  # the same on every rank
     bad = _diff(
         "scatter (own chunk by group rank)",
-        m.scatter_to_sequence_parallel_region(x, group),
+        m.scatter_to_sp_region(x, group),
         x[:, own],
     )
     shards = {q: ints(90 + q, (B, n, H)) for q in members}
     grads = {q: ints(100 + q, (B, n * t, H)) for q in members}
     x = shards[rank].clone().requires_grad_()
-    y = m.gather_from_sequence_parallel_region(x, group)
+    y = m.gather_from_sp_region(x, group)
     bad += _diff("gather over the group", y, torch.cat([shards[q] for q in members], dim=1))
     if y.shape == grads[rank].shape:  # else backward() would raise before any message
         y.backward(grads[rank])
@@ -172,11 +172,11 @@ def _group_worker() -> list[str]:
             "gather backward (reduce-scatter over the group)", x.grad, sum(grads.values())[:, own]
         )
     partial = {q: ints(110 + q, (B, n * t, H)) for q in members}
-    z = m.reduce_scatter_to_sequence_parallel_region(partial[rank], group)
+    z = m.reduce_scatter_to_sp_region(partial[rank], group)
     bad += _diff("reduce_scatter over the group", z, sum(partial.values())[:, own])
     p = torch.nn.Parameter(torch.zeros(5, dtype=torch.float64))
     p.grad = ints(120 + rank, (5,))
-    m.allreduce_sequence_parallel_grads([p], group)
+    m.all_reduce_sequence_parallel_grads([p], group)
     return bad + _diff(
         "gradient all-reduce over the group", p.grad, sum(ints(120 + q, (5,)) for q in members)
     )
@@ -195,7 +195,7 @@ def _grads_worker() -> list[str]:
     for i, p in enumerate(params[:2]):
         p.grad = ints(80 + 10 * r + i, shapes[i])  # rank-specific partial gradients
     with CommTracer() as trace:
-        m.allreduce_sequence_parallel_grads(params, None)
+        m.all_reduce_sequence_parallel_grads(params, None)
     bad = []
     for i, p in enumerate(params[:2]):
         want = sum(ints(80 + 10 * k + i, shapes[i]) for k in range(t))

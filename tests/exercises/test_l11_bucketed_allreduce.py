@@ -43,7 +43,7 @@ def test_bad_bucket_size():
         implementation(NAME).assign_buckets([3], 0)
 
 
-def test_allreduce_bucket_averages_with_one_all_reduce():
+def test_all_reduce_bucket_averages_with_one_all_reduce():
     shapes = [(3, 5), (7,), (2, 1, 4), ()]
 
     def data(rank):
@@ -55,7 +55,7 @@ def test_allreduce_bucket_averages_with_one_all_reduce():
         grads = [x.to(tpedu.device()) for x in data(rank)]
         before = [x.clone() for x in grads]
         with CommTracer() as t:
-            out = implementation(NAME).allreduce_bucket(grads, None)
+            out = implementation(NAME).all_reduce_bucket(grads, None)
         unchanged = all(torch.equal(a, b) for a, b in zip(grads, before, strict=True))
         return out, t.count("all_reduce"), unchanged
 
@@ -70,7 +70,7 @@ def test_allreduce_bucket_averages_with_one_all_reduce():
                 assert diff <= 1e-15 * w.abs().max().item(), f"max |got - mean| = {diff:.2e}"
 
 
-def test_allreduce_bucket_averages_over_its_group_only():
+def test_all_reduce_bucket_averages_over_its_group_only():
     """On groups {0, 2} and {1, 3} of 4 ranks: the mean over the group's 2 members."""
     shapes = [(3, 5), (7,)]
 
@@ -82,7 +82,7 @@ def test_allreduce_bucket_averages_over_its_group_only():
         rank = dist.get_rank()
         group, _ = parity_group()
         grads = [x.to(tpedu.device()) for x in data(rank)]
-        return implementation(NAME).allreduce_bucket(grads, group)
+        return implementation(NAME).all_reduce_bucket(grads, group)
 
     for rank, out in enumerate(tpedu.launch(worker, 4, timeout=30)):
         members = [rank % 2, rank % 2 + 2]

@@ -6,4 +6,5 @@ each formula checked against small real tensors.
     calculator         the ipywidgets memory calculator over memory.ledger
     activation_memory  what one layer saves for backward, measured against Korthikanti et al.
     whatif             step time and MFU of a cluster, from FLOPs and the α-β model
+    dryrun             one rank of a big layout stepped on the meta device: bytes held and sent
 """

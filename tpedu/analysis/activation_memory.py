@@ -92,6 +92,17 @@ def _category(module: str, t: torch.Tensor) -> str:
     return {"attn": "attention", "mlp": "mlp"}.get(top, "block input")
 
 
+def storage_key(t: torch.Tensor) -> tuple[str, int]:
+    """(device, storage identity) of `t`: equal for every view of one storage.
+
+    The identity is the address of the storage object itself (`_cdata`), not of its data:
+    tensors on the meta device have no data, every one of their `data_ptr()`s is 0, and keying
+    by it would count a whole meta model's saved tensors as one (lesson 12's dry run counts
+    them). For real tensors the two keys pick out the same storages.
+    """
+    return str(t.device), t.untyped_storage()._cdata
+
+
 class SavedTensorCounter:
     """Count the bytes autograd saves for backward while the context is active.
 
@@ -99,8 +110,9 @@ class SavedTensorCounter:
             y = block(x)
         counter.total, counter.by_category(), counter.records
 
-    Each storage counts once (keyed by its data pointer; saved storages stay alive until
-    backward, so a pointer is never reused meanwhile). `root`'s parameters are skipped, and
+    Each storage counts once (keyed by `storage_key`; saved storages stay pinned while the
+    context is active, so a key is never reused meanwhile). Works on the meta device too: the
+    bytes are the shapes' (lesson 12's dry run). `root`'s parameters are skipped, and
     each record names the innermost sub-module of `root` that was running when it was saved.
     """
 
@@ -111,14 +123,12 @@ class SavedTensorCounter:
         self._alive: list[torch.Tensor] = []  # pinned while counting: no address is reused
         self._stack: list[str] = [""]
         self._handles: list = []
-        self._params = (
-            {p.untyped_storage().data_ptr() for p in root.parameters()} if root else set()
-        )
+        self._params = {storage_key(p) for p in root.parameters()} if root else set()
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
-        key = (str(t.device), storage.data_ptr())
-        if storage.nbytes() and key not in self._seen and key[1] not in self._params:
+        key = storage_key(t)
+        if storage.nbytes() and key not in self._seen and key not in self._params:
             self._seen.add(key)
             self._alive.append(t)
             module = self._stack[-1]
@@ -181,7 +191,7 @@ def saved_bytes(fn: Callable[..., Any], *args: Any, skip: Iterable[torch.Tensor]
     a module's parameters: weights are not activations) are not counted.
     """
     counter = SavedTensorCounter()
-    counter._params = {t.untyped_storage().data_ptr() for t in skip}
+    counter._params = {storage_key(t) for t in skip}
     with counter:
         fn(*args)
     return counter.total

@@ -26,6 +26,7 @@ sequence s, micro-batch b, hidden h, heads a, tensor-parallel size t).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -343,3 +344,21 @@ def adamw_step(model: TinyGPT, batch: int = 2, seed: int = 0) -> torch.optim.Ada
     F.cross_entropy(logits.reshape(-1, c.vocab_size), idx[:, 1:].reshape(-1)).backward()
     opt.step()
     return opt
+
+
+def peak_rss_growth(fn: Callable[[], object]) -> tuple[int, object]:
+    """(bytes `fn()` added to this process's peak resident set, its result). Linux only: the
+    peak (VmHWM) is reset to the current resident set first, through /proc/self/clear_refs."""
+
+    def status(key: str) -> int:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key):
+                    return int(line.split()[1]) * 1024
+        raise KeyError(key)
+
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = status("VmRSS")
+    result = fn()
+    return status("VmHWM") - before, result

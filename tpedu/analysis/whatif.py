@@ -174,6 +174,36 @@ HEADER = (
 )
 
 
+@dataclass(frozen=True)
+class Volumes:
+    """What the what-if prices, per GPU and step (lesson 12's dry run sets it beside a trace).
+
+    tp_all_reduces    all-reduces of one [b, s, h] message over the TP group: 4 per layer and
+                      micro-batch (6 with full recomputation), for the GPU's L/pp layers
+    pp_sends          sends of one [b, s, h] message: 2 per micro-batch and model chunk
+    message_bytes     b·s·h·bytes_per_value, the size of each of those messages
+    dp_bytes          the one DP all-reduce: N/(tp·pp) gradients (N = matmul_params)
+    """
+
+    tp_all_reduces: int
+    pp_sends: int
+    message_bytes: float
+    dp_bytes: float
+
+
+def volumes(model: ModelShape, par: Parallel, bytes_per_value: int = 2) -> Volumes:
+    """The messages `predict` prices for `model` under `par` (see `Volumes`)."""
+    m = par.n_micro
+    layers_here = model.n_layers // par.pp
+    passes = 6 if par.recompute else 4  # recomputation repeats the forward's 2 all-reduces
+    return Volumes(
+        tp_all_reduces=m * passes * layers_here,
+        pp_sends=0 if par.pp == 1 else 2 * m * par.chunks,
+        message_bytes=par.micro * model.seq_len * model.hidden * bytes_per_value,
+        dp_bytes=model.matmul_params / (par.tp * par.pp) * bytes_per_value,
+    )
+
+
 def predict(
     model: ModelShape,
     par: Parallel,
@@ -195,10 +225,9 @@ def predict(
     executed = tokens * model.flops_per_token(recompute=par.recompute)
     compute = executed / par.gpus / (hw.peak_flops * efficiency)
 
-    act = par.micro * model.seq_len * model.hidden * bytes_per_value  # one [b, s, h] message
-    layers_here = model.n_layers // par.pp
-    passes = 6 if par.recompute else 4  # recomputation repeats the forward's 2 all-reduces
-    tp = m * passes * layers_here * hw.all_reduce(act, par.tp)
+    vol = volumes(model, par, bytes_per_value)
+    act = vol.message_bytes
+    tp = vol.tp_all_reduces * hw.all_reduce(act, par.tp)
 
     busy = compute + tp  # per GPU, on average
     # The last stage's share of compute: its layers plus the head, against the average stage's.
@@ -207,9 +236,9 @@ def predict(
     slots = par.chunks * m + par.pp - 1
     bubble = slots / (par.chunks * m) * (compute * last + tp) - busy
     pp_link = hw.link(par.tp * par.pp)
-    pp = 0.0 if par.pp == 1 else 2 * m * par.chunks * pp_link.predict("send", act, 2)
+    pp = 0.0 if par.pp == 1 else vol.pp_sends * pp_link.predict("send", act, 2)
 
-    grads = model.matmul_params / (par.tp * par.pp) * bytes_per_value
+    grads = vol.dp_bytes
     dp = (1 - par.dp_overlap) * hw.all_reduce(grads, par.dp, stride=par.tp * par.pp)
     return Prediction(compute, tp, bubble, pp, dp, model_flops, tokens, par.gpus, hw.peak_flops)
 

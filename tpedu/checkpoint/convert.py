@@ -12,11 +12,15 @@ Resharding merges every tensor to dense and splits it again with the model's own
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+from safetensors import safe_open
 from safetensors.torch import save_file
+from torch import nn
 
 import tpedu
 from tpedu.checkpoint.files import CheckpointError, _export_tmp, replace_dir
@@ -34,9 +38,13 @@ from tpedu.checkpoint.sharded import (
     resolve,
 )
 from tpedu.model.config import GPTConfig
+from tpedu.model.dense import DenseGPT
+from tpedu.model.gpt import TPGPT
+from tpedu.model.sharded_init import materialize
 from tpedu.model.state import (
     dense_shapes,
     param_kind,
+    shard_map,
     split_tensor,
 )
 from tpedu.parallel.config import ParallelConfig
@@ -68,14 +76,20 @@ def write_model_dir(
 def load_model_files(path: str | Path) -> tuple[GPTConfig, dict[str, torch.Tensor], object]:
     """(config, dense state dict, tokenizer) from a directory written by `write_model_dir`, checked
     (format, config, tensor names and shapes) by `checkpoint.read_model_dir`."""
+    _, tok = load_model_info(path)
+    config, state = read_model_dir(path)
+    return config, state, tok
+
+
+def load_model_info(path: str | Path) -> tuple[GPTConfig, object]:
+    """(config, tokenizer) of a model directory, every file checked, no tensor read."""
     path = Path(path)
     for name in ("config.json", "model.safetensors", "tokenizer.json"):
         if not (path / name).exists():
             raise FileNotFoundError(
                 f"{path / name} is missing: is {path} a model saved by `tpedu train --out`?"
             )
-    config, state = read_model_dir(path)
-    return config, state, tokenizer.load(path / "tokenizer.json")
+    return check_model_dir(path), tokenizer.load(path / "tokenizer.json")
 
 
 DENSE_FORMAT = "tpedu-dense-1"  # a dense model directory: `train --out`, export_dense
@@ -169,10 +183,18 @@ def export_dense(src: str | Path, out: str | Path) -> Path:
 
 def read_model_dir(model_dir: str | Path) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
     """(config, dense state dict) of a dense model directory (`train --out`, export_dense),
-    checked before use: config.json's format and config, and model.safetensors holding exactly
-    DenseGPT's keys at DenseGPT's shapes."""
+    checked first (`check_model_dir`). Memory: the whole model; `load_rank_slices` reads only
+    one rank's part."""
     from safetensors.torch import load_file
 
+    config = check_model_dir(model_dir)
+    return config, load_file(Path(model_dir) / "model.safetensors")
+
+
+def check_model_dir(model_dir: str | Path) -> GPTConfig:
+    """The config of a dense model directory, after checking config.json's format and config,
+    and that model.safetensors holds exactly DenseGPT's keys at DenseGPT's shapes (from the
+    file's header: no tensor is read)."""
     model_dir = Path(model_dir)
     what = f"is {model_dir} a dense model directory (`tpedu train --out`, `reshard --to dense`)?"
     for name in ("config.json", "model.safetensors"):
@@ -204,20 +226,21 @@ def read_model_dir(model_dir: str | Path) -> tuple[GPTConfig, dict[str, torch.Te
         raise CheckpointError(f"{where}: field 'model' is not a valid GPTConfig ({e})") from None
     file = model_dir / "model.safetensors"
     try:
-        state = load_file(file)
+        with safe_open(file, "pt") as f:
+            stored = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
     except Exception as e:  # noqa: BLE001 - safetensors raises its own error type
         raise CheckpointError(f"{file} cannot be read ({e}); the file is damaged") from None
     shapes = dense_shapes(config)
     wrong = [
-        f"{k} {list(state[k].shape)} (config.json gives {list(shapes[k])})"
-        for k in sorted(set(state) & set(shapes))
-        if tuple(state[k].shape) != shapes[k]
+        f"{k} {list(stored[k])} (config.json gives {list(shapes[k])})"
+        for k in sorted(set(stored) & set(shapes))
+        if stored[k] != shapes[k]
     ]
     problems = [
         f"{len(keys)} {label}: {', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''}"
         for label, keys in (
-            ("missing", sorted(set(shapes) - set(state))),
-            ("unexpected", sorted(set(state) - set(shapes))),
+            ("missing", sorted(set(shapes) - set(stored))),
+            ("unexpected", sorted(set(stored) - set(shapes))),
             ("with the wrong shape", wrong),
         )
         if keys
@@ -226,7 +249,63 @@ def read_model_dir(model_dir: str | Path) -> tuple[GPTConfig, dict[str, torch.Te
         raise CheckpointError(
             f"{file} does not hold the tensors of the model in config.json: {'; '.join(problems)}"
         )
-    return config, state
+    return config
+
+
+def load_rank_slices(model_dir: str | Path, model: TPGPT | Sequence[TPGPT]) -> None:
+    """Fill this rank's parameters from a dense model directory, reading from model.safetensors
+    only the rows or columns the rank holds (safetensors' `get_slice`: memory = the shards).
+
+    Which dense rows (or, row-parallel, columns) a shard holds, in its order, is found by
+    splitting an index vector with the shard map's own rules (`split_tensor`), so the fused QKV
+    layout and the vocabulary padding need no second description here. No communication."""
+    chunks = [model] if isinstance(model, nn.Module) else list(model)
+    config, tp = chunks[0].config, chunks[0].tp
+    rank = dist.get_rank(chunks[0].group) if dist.is_initialized() else 0
+    with safe_open(Path(model_dir) / "model.safetensors", "pt") as f, torch.no_grad():
+        for e in shard_map(chunks):
+            sl = f.get_slice(e.name)
+            shape = sl.get_shape()
+            if e.stored_kind == "replicated" or len(shape) == 0:
+                e.param.copy_(sl[:])
+                continue
+            dim = 1 if e.stored_kind == "row" else 0
+            index = torch.arange(1, shape[dim] + 1)  # 0 marks a padding row
+            if dim == 1:
+                index = index[None, :]
+            picked = split_tensor(index, e.stored_kind, tp, rank, config).reshape(-1).tolist()
+            for start, stop, at in _runs(picked):  # one read per contiguous block
+                block = sl[:, start:stop] if dim else sl[start:stop]
+                e.param.narrow(dim, at, stop - start).copy_(block)
+            for at in (i for i, v in enumerate(picked) if v == 0):
+                e.param.narrow(dim, at, 1).zero_()
+
+
+def _runs(picked: list[int]) -> list[tuple[int, int, int]]:
+    """[(dense start, dense stop, local offset)] of the contiguous blocks of a 1-based index
+    list (0 entries: padding, skipped)."""
+    runs: list[tuple[int, int, int]] = []
+    for at, v in enumerate(picked):
+        if v == 0:
+            continue
+        if runs and runs[-1][1] == v - 1 and runs[-1][2] + (runs[-1][1] - runs[-1][0]) == at:
+            runs[-1] = (runs[-1][0], v, runs[-1][2])
+        else:
+            runs.append((v - 1, v, at))
+    return runs
+
+
+def load_sharded_model(
+    model_dir: str | Path, group: dist.ProcessGroup | None = None, **options: bool | str
+) -> TPGPT:
+    """This rank's TPGPT of a dense model directory, built on the meta device and filled with
+    `load_rank_slices`: the dense model is never in memory. `options`: TPGPT's."""
+    config = check_model_dir(model_dir)
+    with torch.device("meta"):
+        structure = TPGPT(DenseGPT(config), group, **options)
+    model = materialize(structure)
+    load_rank_slices(model_dir, model)
+    return model
 
 
 def import_dense(

@@ -50,7 +50,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import asdict, fields, is_dataclass
 from pathlib import Path
 
@@ -261,13 +263,15 @@ def save(
     parallel: ParallelConfig | None = None,
     train_cfg: object | None = None,
     tok: object | None = None,
+    scaler: object | None = None,
 ) -> Path:
     """Save this step's checkpoint under `root` from every rank of the world. Collective.
 
     model: this rank's TPGPT (or its pipeline chunks); opt: its AdamW (or a ZeRO-1 wrapper,
     then parallel.zero = 1) or None; mesh: the tpedu.parallel.mesh.Mesh of a 3D layout (None:
     the world is one TP group); parallel: the run's ParallelConfig, stored in the index (None:
-    plain TP over the model's group, its sequence parallelism as built). Returns root/step_N.
+    plain TP over the model's group, its sequence parallelism as built); scaler: the fp16
+    LossScaler, whose state the index keeps ("loss_scaler"). Returns root/step_N.
     3 tiny all-reduces (barriers that also carry failures: one rank's error makes every rank
     raise, and `latest` does not move).
     """
@@ -311,6 +315,8 @@ def save(
     try:
         if rank0:
             header = _header(config, parallel, step, train_cfg, opt)
+            if scaler is not None:
+                header["loss_scaler"] = scaler.state_dict()
             _finalize(root, tmp, step, header, tok)
     except Exception as e:  # noqa: BLE001
         error = e
@@ -575,22 +581,49 @@ def load(
     return index
 
 
+# Set by saving_now(): the loop's `save(k)` hook then saves at any step (a preempted run).
+_SAVING_NOW: ContextVar[bool] = ContextVar("saving_now", default=False)
+
+
+@contextmanager
+def saving_now() -> Iterator[None]:
+    """Inside: save_if_due saves whatever the step (a preempted run's last save,
+    tpedu.train.preempt), without the loop knowing how its save hook was built."""
+    token = _SAVING_NOW.set(True)
+    try:
+        yield
+    finally:
+        _SAVING_NOW.reset(token)
+
+
 def save_if_due(
     cfg: object, step: int, model: TPGPT | Sequence[TPGPT], opt: object | None, **kwargs: object
 ) -> Path | None:
     """The training loop's hook: save() to cfg.ckpt_dir when `step` (optimizer steps done) is a
-    multiple of cfg.save_every, or the last step (cfg.steps). No ckpt_dir: nothing."""
+    multiple of cfg.save_every, the last step (cfg.steps), or inside `saving_now()`. No
+    ckpt_dir: nothing."""
     every, steps = getattr(cfg, "save_every", 0), getattr(cfg, "steps", None)
     ckpt_dir = getattr(cfg, "ckpt_dir", None)
-    if ckpt_dir and ((every and step % every == 0) or step == steps):
+    if ckpt_dir and ((every and step % every == 0) or step == steps or _SAVING_NOW.get()):
         return save(ckpt_dir, model, opt, step, train_cfg=cfg, **kwargs)
     return None
 
 
-def resume_from(cfg: object, model: TPGPT | Sequence[TPGPT], opt: object | None) -> int:
-    """The training loop's hook: load cfg.resume (if set) and return the next step to run."""
+def resume_from(
+    cfg: object,
+    model: TPGPT | Sequence[TPGPT],
+    opt: object | None,
+    scaler: object | None = None,
+) -> int:
+    """The training loop's hook: load cfg.resume (if set) and return the next step to run; an
+    fp16 run's LossScaler continues from the saved scale (a fresh one if the run was not fp16)."""
     path = getattr(cfg, "resume", None)
-    return load(path, model, opt)["step"] if path else 0
+    if not path:
+        return 0
+    index = load(path, model, opt)
+    if scaler is not None and "loss_scaler" in index:
+        scaler.load_state_dict(index["loss_scaler"])
+    return index["step"]
 
 
 def summary(path: str | Path) -> str:

@@ -1,9 +1,10 @@
 """Lessons 02–13: the subcommands of `python -m tpedu` (the overview: tpedu.cli.parser.DESCRIPTION):
 `hello` (lesson 02: ranks start and talk), `commbench` (lesson 02: the α-β cost model), `train`
 (lesson 07, and lessons 10-13 with --pp, --dp and checkpoints), `generate` (lesson 07), `reshard`
-(lesson 13), and `main`, which parses, checks (tpedu.cli.checks) and then launches.
+(lesson 13), `dryrun` (lesson 12: one rank of a big layout on the meta device), and `main`,
+which parses, checks (tpedu.cli.checks) and then launches.
 
-Every subcommand but reshard works two ways:
+Every subcommand but reshard and dryrun (one process each) works two ways:
 
     python -m tpedu hello --nprocs 2                       # launches its own local ranks
     torchrun --nproc_per_node 2 -m tpedu hello             # joins the ranks torchrun started
@@ -14,8 +15,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -26,9 +29,10 @@ from tpedu.cli.checks import fail
 from tpedu.cli.parser import build_parser
 from tpedu.comm import collectives as C
 from tpedu.comm import cost_model
-from tpedu.launcher import LaunchTimeout, RankError, device, run
+from tpedu.launcher import LaunchTimeout, RankError, device, run, under_torchrun
 from tpedu.model.config import GPTConfig
 from tpedu.parallel.config import ParallelConfig
+from tpedu.train.preempt import EXIT_CODE, Preempted
 
 
 def hello() -> dict:
@@ -67,10 +71,13 @@ def commbench(sizes: list[int], repeats: int) -> list[cost_model.Sample]:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m tpedu ...`: parse, check (one-line errors, exit 2), then run the subcommand.
-    Returns the exit code: 0, or 1 when a rank failed or hung."""
+    Returns the exit code: 0, 1 when a rank failed or hung, or 143 (= 128 + SIGTERM) when
+    `train` was stopped by SIGTERM (after saving a checkpoint if it has --ckpt-dir)."""
     args = build_parser().parse_args(argv)
     if args.command == "reshard":  # one process, no ranks
         return _reshard(args)
+    if args.command == "dryrun":  # one process: each rank alone on a fake process group
+        return _dryrun(args)
     checks.check_ranks(args)
     checks.check_args(args)
     try:
@@ -89,10 +96,44 @@ def main(argv: list[str] | None = None) -> int:
             return _train(args)
         else:
             return _generate(args)
+    except Preempted as e:  # lesson 13: every rank stopped after the same step
+        return _preempted(e, args, sys.argv[1:] if argv is None else argv)
     except (RankError, LaunchTimeout) as e:
         print(f"tpedu {args.command}: {e}", file=sys.stderr)
         return 1
     return 0
+
+
+def _preempted(e: Preempted, args: argparse.Namespace, argv: list[str]) -> int:
+    """One line: the step saved and the command that continues from it. Returns EXIT_CODE."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        if e.path is None:
+            line = (
+                f"tpedu train: stopped by SIGTERM after step {e.step}; nothing could be saved "
+                "(no --ckpt-dir): add --ckpt-dir DIR to be able to resume"
+            )
+        else:
+            line = (
+                f"tpedu train: stopped by SIGTERM after step {e.step}, saved {e.path}; "
+                f"continue with: {_resume_command(argv, args.ckpt_dir)}"
+            )
+        print(line, file=sys.stderr, flush=True)
+    return EXIT_CODE
+
+
+def _resume_command(argv: list[str], ckpt_dir: str) -> str:
+    """The same command line, with `--resume ckpt_dir` (the newest step there) instead of any
+    --resume it had (argparse also takes an unambiguous prefix, `--res`)."""
+    keep, rest = [], iter(argv)
+    for a in rest:
+        name = a.split("=", 1)[0]
+        if len(name) >= 5 and "--resume".startswith(name):
+            if "=" not in a:
+                next(rest, None)  # its value
+            continue
+        keep.append(a)
+    prefix = "torchrun ... -m tpedu" if under_torchrun() else "python -m tpedu"
+    return f"{prefix} {shlex.join([*keep, '--resume', ckpt_dir])}"
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -141,6 +182,8 @@ def _train(args: argparse.Namespace) -> int:
         ckpt_dir=args.ckpt_dir,
         save_every=args.save_every,
         resume=args.resume,
+        dtype=args.dtype,
+        grad_reduce=args.grad_reduce,
     )
     results = run(
         train,
@@ -163,6 +206,71 @@ def _train(args: argparse.Namespace) -> int:
             Path(args.json).write_text(json.dumps(summary, indent=2))
         print(json.dumps({k: v for k, v in summary.items() if k != "losses"}, indent=2))
     return 0
+
+
+def _dryrun(args: argparse.Namespace) -> int:
+    """Lesson 12: one training step of the chosen rank(s) of a tp·pp·dp job, on the meta
+    device in this process (tpedu.analysis.dryrun); prints the table(s)."""
+    for name in ("layers", "hidden", "heads", "seq", "batch", "vocab", "chunks"):
+        if getattr(args, name) < 1:
+            fail(f"--{name} must be at least 1, got {getattr(args, name)}")
+    if args.kv_heads is not None and args.kv_heads < 1:
+        fail(f"--kv-heads must be at least 1, got {args.kv_heads}")
+    if args.dtype != "fp32":
+        fail(
+            f"--dtype {args.dtype}: the dry run steps in fp32 only (torch.autocast does not run "
+            "on meta tensors); drop --dtype: its weights, gradients and AdamW states are fp32 "
+            f"under {args.dtype} too, only activations and TP messages would be 2-byte"
+        )
+    parallel = checks.parallel_config(args)
+    preset = GPTConfig.llama_like if args.arch == "llama" else GPTConfig.gpt2_like
+    kv = {"n_kv_heads": args.kv_heads} if args.kv_heads or args.arch == "gpt2" else {}
+    config = preset(
+        args.vocab,
+        seq_len=args.seq,
+        n_layers=args.layers,
+        hidden=args.hidden,
+        n_heads=args.heads,
+        **kv,
+    )
+    checks.check_config(config, parallel)
+    if not parallel.tp_only:
+        checks.check_layout(args, args.layers)
+    ranks = _dryrun_ranks(args.rank, parallel.world)
+    # here, not at import: the analysis stack (and torch.testing's fake process group) costs
+    # a second that every other subcommand would pay
+    from tpedu.analysis import dryrun
+
+    start = time.perf_counter()
+    try:
+        runs = dryrun.dry_run(config, parallel, args.batch, ranks)
+    except ValueError as e:
+        fail(str(e))
+    if args.rank == ["all"]:
+        print(dryrun.format_summary(runs))
+    else:
+        print("\n\n".join(dryrun.format_table(r) for r in runs))
+    seconds = time.perf_counter() - start
+    print(f"dry-ran {len(runs)} rank(s) of {parallel.world} in {seconds:.1f} s", file=sys.stderr)
+    return 0
+
+
+def _dryrun_ranks(values: list[str] | None, world: int) -> list[int] | None:
+    """--rank: None (the default ranks), every rank for `all`, else the listed ranks."""
+    if values is None:
+        return None
+    if values == ["all"]:
+        return list(range(world))
+    ranks = []
+    for v in values:
+        try:
+            r = int(v)
+        except ValueError:
+            fail(f"--rank {v}: give global ranks (0 to {world - 1}) or `all`")
+        if not 0 <= r < world:
+            fail(f"--rank {r} is outside the {world} ranks of tp·pp·dp; use 0 to {world - 1}")
+        ranks.append(r)
+    return ranks
 
 
 def _reshard(args: argparse.Namespace) -> int:
@@ -197,11 +305,11 @@ def _reshard(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from tpedu.checkpoint.convert import load_model_files
+    from tpedu.checkpoint.convert import load_model_info
     from tpedu.train.generate import generate
 
-    try:
-        config, state, tok = load_model_files(args.model)
+    try:  # every file checked here; the ranks read only their own slices of the weights
+        config, tok = load_model_info(args.model)
     except (FileNotFoundError, ValueError) as e:  # CheckpointError is a ValueError
         fail(str(e))
     checks.check_config(config, ParallelConfig(args.tp))
@@ -211,7 +319,7 @@ def _generate(args: argparse.Namespace) -> int:
         generate,
         args.tp,
         config,
-        state,
+        str(args.model),
         prompt,
         args.max_new_tokens,
         args.temperature,

@@ -22,6 +22,8 @@ Subcommands:
                 with --pp P --dp D: 3D parallel on tp·pp·dp ranks
     generate    continue a prompt with a trained model (--model DIR --prompt ...)
     reshard     rewrite a sharded checkpoint for another (tp, pp, dp), or export it (one process)
+    dryrun      one rank of a big job (e.g. 128 GPUs) on the meta device, in one process: the
+                bytes it holds and sends in one training step, beside the memory ledger
 """
 
 # The subcommands whose rank count is --tp (stored in args.tp); hello and commbench use
@@ -60,7 +62,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--sizes", type=int, nargs="+", default=[4096, 65536, 1 << 20, 1 << 22])
     bench.add_argument("--repeats", type=int, default=5)
 
-    tr = sub.add_parser("train", help="train the tensor-parallel GPT on 红楼梦")
+    tr = sub.add_parser(
+        "train",
+        help="train the tensor-parallel GPT on 红楼梦",
+        epilog="exit codes: 0 done, 1 a rank failed or hung, 2 bad arguments, 143 stopped by "
+        "SIGTERM (preempted: every rank finished the same step and saved it, if --ckpt-dir is "
+        "given; the last line on stderr is the command that continues with --resume)",
+    )
     _common(tr, "--tp")
     tr.add_argument("--arch", choices=["gpt2", "llama"], default="gpt2")
     tr.add_argument("--layers", type=int, default=2)
@@ -124,6 +132,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tr.add_argument("--eval-batches", type=int, default=4, help="validation batches per evaluation")
     tr.add_argument("--seed", type=int, default=0)
+    tr.add_argument(
+        "--dtype",
+        choices=["fp32", "bf16", "fp16"],
+        default="fp32",
+        help="compute precision; weights, gradients and AdamW stay fp32 (bf16/fp16: autocast)",
+    )
+    tr.add_argument(
+        "--grad-reduce",
+        choices=["fp32", "low"],
+        default="fp32",
+        help="data-parallel gradient all-reduce in fp32, or in --dtype (half the bytes)",
+    )
     tr.add_argument("--out", default=None, help="directory to save the trained model in")
     tr.add_argument("--json", default=None, help="also write the full summary (all losses) here")
     tr.add_argument("--pp", type=int, default=1, help="pipeline stages (lesson 10)")
@@ -175,6 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=50)
     gen.add_argument("--seed", type=int, default=0)
 
+    _dryrun_parser(sub)
+
     rs = sub.add_parser("reshard", help="rewrite a checkpoint for another layout, or export it")
     rs.add_argument(
         "src",
@@ -193,3 +215,50 @@ def build_parser() -> argparse.ArgumentParser:
         help="dense: a `train --out` model dir; hf: GPT-2 for transformers",
     )
     return p
+
+
+def _dryrun_parser(sub: argparse._SubParsersAction) -> None:
+    """`dryrun` (lesson 12): train's model and layout flags, plus --vocab and --rank."""
+    dr = sub.add_parser(
+        "dryrun",
+        help="one rank of a large layout on the meta device: memory and traffic of one step",
+    )
+    dr.add_argument("--arch", choices=["gpt2", "llama"], default="gpt2")
+    dr.add_argument("--layers", type=int, default=2)
+    dr.add_argument("--hidden", type=int, default=128)
+    dr.add_argument("--heads", type=int, default=4)
+    dr.add_argument("--kv-heads", type=int, default=None, help="grouped-query attention")
+    dr.add_argument("--seq", type=int, default=128)
+    dr.add_argument("--batch", type=int, default=8, help="global batch (sequences per step)")
+    dr.add_argument(
+        "--vocab", type=int, default=50257, help="vocabulary size (no tokenizer is loaded)"
+    )
+    dr.add_argument("--tp", type=int, default=1)
+    dr.add_argument("--pp", type=int, default=1, help="pipeline stages (lesson 10)")
+    dr.add_argument("--dp", type=int, default=1, help="data-parallel replicas (lesson 11)")
+    dr.add_argument(
+        "--micro-batches",
+        type=int,
+        default=None,
+        help="micro-batches per step with --pp (default: the largest ≤ 2·pp dividing batch/dp)",
+    )
+    dr.add_argument("--schedule", choices=["1f1b", "gpipe", "interleaved"], default="1f1b")
+    dr.add_argument("--chunks", type=int, default=1, help="model chunks per pipeline rank")
+    dr.add_argument("--stage-split", choices=["even", "flops"], default="even")
+    dr.add_argument("--sequence-parallel", action="store_true")
+    dr.add_argument("--recompute", choices=["none", "selective", "full"], default="none")
+    dr.add_argument("--zero1", action="store_true", help="shard AdamW's states over --dp ranks")
+    dr.add_argument(
+        "--dtype",
+        choices=["fp32", "bf16", "fp16"],
+        default="fp32",
+        help="as train's; the dry run steps in fp32 only (autocast does not run on meta tensors)",
+    )
+    dr.add_argument(
+        "--rank",
+        nargs="+",
+        default=None,
+        help="global ranks to dry-run (default: rank 0 and the first rank of the last "
+        "stage), or `all` for a one-line summary of every rank",
+    )
+    dr.set_defaults(overlap_comm=False, resume=None)

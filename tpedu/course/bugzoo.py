@@ -4,11 +4,11 @@ Each bug is a context manager that monkeypatches ONE thing in tpedu, and comes w
 that catches it (a mutation test: the check passes on tpedu and fails under the bug) and the
 symptom a learner would see:
 
-    with broken("no_backward_allreduce"):      # inside a rank worker (or before tpedu.launch:
+    with broken("no_backward_all_reduce"):      # inside a rank worker (or before tpedu.launch:
         ok, detail = BUGS["..."].check()       #  forked ranks inherit the patch)
 
     name                       what is wrong                                  caught by
-    no_backward_allreduce      f's backward returns the local gradient         dense vs TP gradients
+    no_backward_all_reduce      f's backward returns the local gradient         dense vs TP gradients
     wrong_group                f̄ all-reduces over every rank, not the TP group  dense vs TP loss (tp2×dp2)
     sp_norm_grads_unsynced     SP: norm/bias gradients never all-reduced       dense vs TP gradients (SP)
     padded_vocab_unmasked      padding columns of the vocab shard enter the    dense vs TP loss
@@ -243,7 +243,7 @@ BUGS: dict[str, Bug] = {
     b.name: b
     for b in [
         Bug(
-            "no_backward_allreduce",
+            "no_backward_all_reduce",
             "f (copy_to_tp_region) forgets the all-reduce in backward",
             lambda: _patched(tp_ops.CopyToTPRegion, "backward", staticmethod(_copy_backward_local)),
             check_tp_step,
@@ -269,7 +269,7 @@ BUGS: dict[str, Bug] = {
         Bug(
             "sp_norm_grads_unsynced",
             "sequence parallel: LayerNorm/bias gradients not all-reduced",
-            lambda: _patched(gpt, "allreduce_sequence_parallel_grads", _sync_nothing),
+            lambda: _patched(gpt, "all_reduce_sequence_parallel_grads", _sync_nothing),
             check_sp_step,
             2,
             "loss identical; only norm weights/biases and row-parallel biases have the wrong "
@@ -321,7 +321,7 @@ BUGS: dict[str, Bug] = {
             "kv_replica_grads_unsynced",
             "replicated KV heads' gradients never summed",
             lambda: _patched(
-                attention.ParallelAttention, "allreduce_replicated_kv_grads", _no_kv_sync
+                attention.ParallelAttention, "all_reduce_replicated_kv_grads", _no_kv_sync
             ),
             check_gqa_step,
             4,

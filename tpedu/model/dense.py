@@ -114,9 +114,13 @@ def _embed(model: nn.Module, ids: torch.Tensor, step: int) -> torch.Tensor:
     return index_dropout(x, model.config.dropout, seed, training=model.training)
 
 
+# The modules _init_weights re-initialises completely; every other module keeps its constructor's.
+INIT_TYPES = (nn.Linear, nn.Embedding)
+
+
 def _init_weights(module: nn.Module) -> None:
     """GPT-2's initialisation: normal(0, 0.02) weights, zero biases."""
-    if isinstance(module, (nn.Linear, nn.Embedding)):
+    if isinstance(module, INIT_TYPES):
         nn.init.normal_(module.weight, std=0.02)
     if isinstance(module, nn.Linear) and module.bias is not None:
         nn.init.zeros_(module.bias)

@@ -48,11 +48,11 @@ from tpedu.tp.layers import column_parallel_linear
 from tpedu.tp.mlp import ParallelMLP
 from tpedu.tp.sequence_parallel import (
     all_gather_linear,
-    allreduce_sequence_parallel_grads,
+    all_reduce_sequence_parallel_grads,
     check_sequence_length,
-    gather_from_sequence_parallel_region,
+    gather_from_sp_region,
     mark_sequence_parallel,
-    scatter_to_sequence_parallel_region,
+    scatter_to_sp_region,
     sequence_dropout,
     sequence_offset,
     sequence_parallel_params,
@@ -73,7 +73,7 @@ def _embed_sequence_parallel(model: TPGPT, ids: torch.Tensor, step: int) -> torc
     if model.config.vocab_parallel:
         x = model.tok_emb(ids, sequence_parallel=True)
     else:
-        x = scatter_to_sequence_parallel_region(model.tok_emb(ids), model.group)
+        x = scatter_to_sp_region(model.tok_emb(ids), model.group)
     if model.pos_emb is not None:  # only this rank's rows: its gradient needs the SP all-reduce
         start = sequence_offset(s // model.tp, model.group)
         x = x + model.pos_emb(torch.arange(start, start + s // model.tp, device=ids.device))
@@ -114,7 +114,7 @@ class TPBlock(nn.Module):
         self.mlp = ParallelMLP.from_dense(dense.mlp, group, sequence_parallel=sequence_parallel)
         # Bitwise the same results; only the backward's timeline changes (SwiGLU's shared f and
         # sequence parallelism keep their own paths).
-        self.attn.async_grad_allreduce = self.mlp.fc1.async_grad_allreduce = overlap_comm
+        self.attn.async_grad_all_reduce = self.mlp.fc1.async_grad_all_reduce = overlap_comm
         if sequence_parallel:
             mark_sequence_parallel(
                 [
@@ -236,9 +236,7 @@ class TPGPT(nn.Module):
         head = self.tok_emb if self.lm_head is None else self.lm_head
         if not self.config.vocab_parallel:
             if sp:  # a replicated head: every rank's dL/dh is already complete, no reduce-scatter
-                h = gather_from_sequence_parallel_region(
-                    h, self.group, tensor_parallel_output_grad=False
-                )
+                h = gather_from_sp_region(h, self.group, tensor_parallel_output_grad=False)
             logits = F.linear(h, head.weight)
             if targets is None:
                 return logits
@@ -249,11 +247,15 @@ class TPGPT(nn.Module):
             logits = all_gather_linear(h, [head.weight], [None], self.group)[0]  # [b, s, Vp/t]
         else:
             logits = column_parallel_linear(
-                h, head.weight, None, self.group, async_grad_allreduce=self.overlap_comm
+                h, head.weight, None, self.group, async_grad_all_reduce=self.overlap_comm
             )
         if targets is None:
             return logits
-        losses = vocab_parallel_cross_entropy(  # inplace: these logits are ours alone
+        # At least fp32 whatever the compute dtype (as F.cross_entropy under autocast): a bf16
+        # sum of V/t exponentials keeps 8 bits. inplace: these logits are ours alone.
+        if logits.dtype in (torch.bfloat16, torch.float16):
+            logits = logits.float()
+        losses = vocab_parallel_cross_entropy(
             logits, targets, self.config.vocab_size, self.group, IGNORE, inplace=True
         )
         return losses.sum() / (targets != IGNORE).sum().clamp_min(1)
@@ -305,10 +307,10 @@ class TPGPT(nn.Module):
         (Megatron-LM #1446, gpt-neox #1257). Never pass it otherwise.
         """
         for block in self.blocks:
-            block.attn.allreduce_replicated_kv_grads()
+            block.attn.all_reduce_replicated_kv_grads()
         if self.sequence_parallel and sequence_parallel_grads:
             with tracer.phase("grad_sync"):
-                allreduce_sequence_parallel_grads(sequence_parallel_params(self), self.group)
+                all_reduce_sequence_parallel_grads(sequence_parallel_params(self), self.group)
 
     def gather_state_dict(self, grads: bool = False) -> dict[str, torch.Tensor]:
         """The dense state dict (or dense-layout gradients) with DenseGPT's keys. Collective:

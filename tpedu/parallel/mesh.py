@@ -137,13 +137,17 @@ class Mesh:
         self.groups: dict[str, dist.ProcessGroup] = {}
         self.members: dict[str, list[int]] = {}
         # Gradients travel backwards on their own group (channel), so an activation and a
-        # gradient between the same two ranks (pp = 2, interleaved) can never be confused.
-        kinds = {**layout.groups(), "pp_grad": layout.pp_groups()}
-        for kind in ("tp", "pp", "pp_grad", "dp", "emb"):
+        # gradient between the same two ranks (pp = 2, interleaved) can never be confused. The
+        # interleaved schedule's wrap-around edge (last stage -> first, to the next chunk) gets
+        # its own groups too: at pp = 2 it runs opposite to the 0 -> 1 edge, and two ranks
+        # sending to each other on one NCCL communicator can each wait for the other forever.
+        pp = layout.pp_groups()
+        kinds = {**layout.groups(), "pp_grad": pp, "pp_wrap": pp, "pp_grad_wrap": pp}
+        for kind in ("tp", "pp", "pp_grad", "pp_wrap", "pp_grad_wrap", "dp", "emb"):
             for ranks in kinds[kind]:
                 g = dist.new_group(ranks)  # collective: every rank, every group, same order
                 if self.rank in ranks:
-                    name = "pp" if kind == "pp_grad" else kind
+                    name = "pp" if kind.startswith("pp") else kind
                     self.groups[kind] = collectives.name_group(g, name)
                     self.members[kind] = ranks
         self.groups.setdefault("emb", None)

@@ -23,7 +23,7 @@ GQA (nkv < nq: query head j uses KV head j // (nq/nkv)). If tp <= nkv, KV heads 
 q heads (needs nkv % tp == 0). If tp > nkv there are not enough KV heads to go round: each rank
 keeps a *replica* of the one KV head its q heads use (needs tp % nkv == 0), as inference
 engines (vLLM, SGLang) do; Megatron-LM and picotron assert nkv % tp == 0 instead. In training,
-replicas receive partial gradients on each rank; `allreduce_replicated_kv_grads()` must run
+replicas receive partial gradients on each rank; `all_reduce_replicated_kv_grads()` must run
 after backward (before the optimizer step).
 
 Sequence parallelism (lesson 08, `sequence_parallel=True`): x arrives as this rank's sequence
@@ -152,7 +152,7 @@ class ParallelAttention(nn.Module):
     ) -> None:
         super().__init__()
         self.fused = fused  # tpedu.tp.dense.attend: flash attention unless a dropout mask is drawn
-        self.async_grad_allreduce = False  # True: overlap f's backward all-reduce (lesson 14)
+        self.async_grad_all_reduce = False  # True: overlap f's backward all-reduce (lesson 14)
         self.sequence_parallel, self.recompute_core = sequence_parallel, recompute_core
         self.rope_theta = rope_theta  # RoPE rotates each head on its own: no communication
         self.group = group
@@ -229,7 +229,7 @@ class ParallelAttention(nn.Module):
                 self.qkv_weight,
                 self.qkv_bias,
                 self.group,
-                async_grad_allreduce=self.async_grad_allreduce,
+                async_grad_all_reduce=self.async_grad_all_reduce,
             )
         b, s, _ = qkv.shape
         q, k, v = qkv.split([nq * d, nkv * d, nkv * d], dim=-1)
@@ -268,7 +268,7 @@ class ParallelAttention(nn.Module):
         out = attend(q, k, v, self.causal, self.fused, drop if drops else None)
         return out.transpose(1, 2).reshape(b, s, nq * d)  # heads stay in rank order
 
-    def allreduce_replicated_kv_grads(self) -> None:
+    def all_reduce_replicated_kv_grads(self) -> None:
         """Sum the partial gradients of replicated KV heads over their replicas (in place).
 
         Needed only when tp > n_kv_heads; call it after backward and before the optimizer step,
@@ -295,7 +295,7 @@ class ParallelAttention(nn.Module):
         """Per-rank [q|k|v] rows -> the dense fused layout [(nq + 2·nkv)·d, ...] (all-gathers).
 
         A replicated KV head is taken from its first replica (replicas are equal for weights,
-        and for gradients after allreduce_replicated_kv_grads).
+        and for gradients after all_reduce_replicated_kv_grads).
         """
         d = self.head_dim
         nq, nkv = len(self.q_heads) * d, len(self.kv_heads) * d
@@ -309,7 +309,7 @@ class ParallelAttention(nn.Module):
     def dense_qkv_weight(self, grad: bool = False) -> torch.Tensor:
         """The dense fused QKV weight [(nq + 2·nkv)·d, H] (or its gradient); 3 all-gathers.
 
-        With tp > n_kv_heads, call allreduce_replicated_kv_grads() before asking for gradients.
+        With tp > n_kv_heads, call all_reduce_replicated_kv_grads() before asking for gradients.
         """
         return self._dense_fused(self.qkv_weight.grad if grad else self.qkv_weight)
 

@@ -34,8 +34,8 @@ from tpedu.tp.operators import (
     reduce_from_tp_region,
     scatter_to_tp_region,
 )
-from tpedu.tp.overlap import linear_with_async_grad_allreduce
-from tpedu.tp.sequence_parallel import all_gather_linear, reduce_scatter_to_sequence_parallel_region
+from tpedu.tp.overlap import linear_with_async_grad_all_reduce
+from tpedu.tp.sequence_parallel import all_gather_linear, reduce_scatter_to_sp_region
 from tpedu.tp.sharding import check_divisible, shard, unshard
 
 
@@ -45,7 +45,7 @@ def column_parallel_linear(
     bias: torch.Tensor | None,
     group: dist.ProcessGroup | None = None,
     gather_output: bool = False,
-    async_grad_allreduce: bool = False,
+    async_grad_all_reduce: bool = False,
 ) -> torch.Tensor:
     """y_r = x·W_rᵀ + b_r with this rank's row shard W_r of the dense weight.
 
@@ -53,11 +53,11 @@ def column_parallel_linear(
     -> [..., out/t] (or [..., out] if gather_output).
     Forward: no communication (+1 all-gather if gather_output). Backward: 1 all-reduce of dL/dx
     (f = copy_to_tp_region), since every rank's shard contributes to x's gradient.
-    async_grad_allreduce: the same arithmetic, with that all-reduce overlapped with dL/dW
+    async_grad_all_reduce: the same arithmetic, with that all-reduce overlapped with dL/dW
     (tpedu.tp.overlap, lesson 14).
     """
-    if async_grad_allreduce:
-        y = linear_with_async_grad_allreduce(x, weight, bias, group)
+    if async_grad_all_reduce:
+        y = linear_with_async_grad_all_reduce(x, weight, bias, group)
     else:
         y = F.linear(copy_to_tp_region(x, group), weight, bias)
     return gather_from_tp_region(y, group) if gather_output else y
@@ -81,7 +81,7 @@ def row_parallel_linear(
     a sequence shard: its gradient must be all-reduced after backward.
     """
     if sequence_parallel:
-        y = reduce_scatter_to_sequence_parallel_region(F.linear(x, weight), group)
+        y = reduce_scatter_to_sp_region(F.linear(x, weight), group)
     else:
         y = reduce_from_tp_region(F.linear(x, weight), group)
     return y + bias if bias is not None else y
@@ -127,7 +127,7 @@ class ColumnParallelLinear(nn.Module):
         self.group = group
         self.sequence_parallel = sequence_parallel  # input [b, s/t, in]: all-gather it first
         self.gather_output = gather_output
-        self.async_grad_allreduce = False  # True: overlap f's backward all-reduce (lesson 14)
+        self.async_grad_all_reduce = False  # True: overlap f's backward all-reduce (lesson 14)
         self.tp = dist.get_world_size(group)
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         check_divisible(self.out_features, self.tp, "out_features of ColumnParallelLinear")
@@ -170,7 +170,7 @@ class ColumnParallelLinear(nn.Module):
         if self.sequence_parallel:
             return all_gather_linear(x, [self.weight], [self.bias], self.group)[0]
         y = column_parallel_linear(
-            x, self.weight, self.bias, self.group, self.gather_output, self.async_grad_allreduce
+            x, self.weight, self.bias, self.group, self.gather_output, self.async_grad_all_reduce
         )
         if self.gather_output and self.inverse_order is not None:
             y = y.index_select(-1, self.inverse_order)  # back to the dense feature order

@@ -19,7 +19,7 @@ Same arithmetic in the same order, so the results are bitwise those of the unfus
 the timeline changes. `record_events()` logs the order (issue / weight grad / wait) for tests and
 the lesson; the gain is measured in benchmarks/bench_overlap.py. In the model it is switched on
 by GPTConfig(overlap_comm=True): `tpedu.tp.layers.column_parallel_linear(...,
-async_grad_allreduce=True)` in front of QKV, fc1 and the vocab-parallel head.
+async_grad_all_reduce=True)` in front of QKV, fc1 and the vocab-parallel head.
 
 (On GPUs Megatron also sets CUDA_DEVICE_MAX_CONNECTIONS=1 so the all-reduce's kernel is
 scheduled before the weight-gradient GEMM; with gloo on CPU the collective runs on gloo's own
@@ -80,6 +80,8 @@ class LinearWithAsyncGradAllreduce(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, weight = ctx.saved_tensors
         grad = grad.contiguous()
+        # Under autocast the forward ran in grad's dtype (bf16): the backward matmuls too.
+        x, weight = x.to(grad.dtype), weight.to(grad.dtype)
         grad_x = work = None
         if ctx.needs_input_grad[0]:
             grad_x = grad.matmul(weight)  # [..., in]: this rank's share of dL/dx
@@ -95,7 +97,7 @@ class LinearWithAsyncGradAllreduce(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None
 
 
-def linear_with_async_grad_allreduce(
+def linear_with_async_grad_all_reduce(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,

@@ -4,11 +4,14 @@ tensor parallelism leaves replicated (LayerNorm, dropout, residual adds) run on 
 Activations are [b, s, H]; with t ranks, rank r holds positions [r·s/t, (r+1)·s/t) of the
 sequence between the tensor-parallel regions. The conjugate operators (dim = the sequence dim):
 
-    operator                                  forward                   backward
-    g   gather_from_sequence_parallel_region  all-gather  [b,s/t,H]->[b,s,H]  reduce-scatter
-    ḡ   reduce_scatter_to_sequence_parallel_region
-                                              reduce-scatter [b,s,H]->[b,s/t,H]  all-gather
-        scatter_to_sequence_parallel_region   keep own chunk            all-gather
+    operator                      forward                             backward
+    g   gather_from_sp_region         all-gather      [b,s/t,H] -> [b,s,H]  reduce-scatter
+    ḡ   reduce_scatter_to_sp_region   reduce-scatter  [b,s,H] -> [b,s/t,H]  all-gather
+        scatter_to_sp_region          keep own chunk                        all-gather
+
+The names are Megatron-LM's (`gather_from_sequence_parallel_region`, ...) shortened as
+tpedu.tp.operators shortens the TP ones (`sequence_parallel` -> `sp`, like
+`tensor_model_parallel` -> `tp`); the autograd Functions behind them are public, as there.
 
 One block under TP + SP (compare tpedu.model.gpt.TPBlock's f ... f̄):
 
@@ -25,7 +28,7 @@ backward, all-gathering it again there (Megatron-LM does the same): without that
 
 Parameters replicated over the TP group that see only a sequence shard (LayerNorm weights and
 biases, the row-parallel biases added after ḡ, learned positions) get only their shard's share
-of the gradient: `allreduce_sequence_parallel_grads` must sum them after backward. Forgetting it
+of the gradient: `all_reduce_sequence_parallel_grads` must sum them after backward. Forgetting it
 is a real, repeatedly reported bug (Megatron-LM #1446, gpt-neox #1257); lesson 08 shows it.
 """
 
@@ -84,7 +87,7 @@ def sequence_dropout(
     return index_dropout(x, p, seed, (b, n * t, h), (0, sequence_offset(n, group), 0), training)
 
 
-class _ScatterToSequence(torch.autograd.Function):
+class ScatterToSPRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: Any, dim: int) -> torch.Tensor:
         ctx.group, ctx.dim = group, dim
@@ -95,7 +98,7 @@ class _ScatterToSequence(torch.autograd.Function):
         return collectives.all_gather(grad.contiguous(), ctx.group, dim=ctx.dim), None, None
 
 
-class _GatherFromSequence(torch.autograd.Function):
+class GatherFromSPRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: Any, dim: int, tp_grad: bool) -> torch.Tensor:
         ctx.group, ctx.dim, ctx.tp_grad = group, dim, tp_grad
@@ -113,7 +116,7 @@ class _GatherFromSequence(torch.autograd.Function):
         return sequence_chunk(grad, ctx.group, ctx.dim), None, None, None  # already complete
 
 
-class _ReduceScatterToSequence(torch.autograd.Function):
+class ReduceScatterToSPRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: Any, dim: int) -> torch.Tensor:
         ctx.group, ctx.dim = group, dim
@@ -124,17 +127,17 @@ class _ReduceScatterToSequence(torch.autograd.Function):
         return collectives.all_gather(grad.contiguous(), ctx.group, dim=ctx.dim), None, None
 
 
-def scatter_to_sequence_parallel_region(
+def scatter_to_sp_region(
     x: torch.Tensor, group: dist.ProcessGroup | None = None, dim: int = SEQ_DIM
 ) -> torch.Tensor:
     """[b, s, H] (the same on every rank) -> this rank's [b, s/t, H].
 
     Forward: no communication (keep own chunk). Backward: 1 all-gather of the gradient.
     """
-    return _ScatterToSequence.apply(x, group, dim)
+    return ScatterToSPRegion.apply(x, group, dim)
 
 
-def gather_from_sequence_parallel_region(
+def gather_from_sp_region(
     x: torch.Tensor,
     group: dist.ProcessGroup | None = None,
     dim: int = SEQ_DIM,
@@ -147,20 +150,20 @@ def gather_from_sequence_parallel_region(
     is replicated and every rank's gradient is already complete), keep own chunk: no
     communication.
     """
-    return _GatherFromSequence.apply(x, group, dim, tensor_parallel_output_grad)
+    return GatherFromSPRegion.apply(x, group, dim, tensor_parallel_output_grad)
 
 
-def reduce_scatter_to_sequence_parallel_region(
+def reduce_scatter_to_sp_region(
     x: torch.Tensor, group: dist.ProcessGroup | None = None, dim: int = SEQ_DIM
 ) -> torch.Tensor:
     """ḡ: partial sums [b, s, H] -> this rank's chunk of their sum [b, s/t, H].
 
     Forward: 1 reduce-scatter. Backward: 1 all-gather of the gradient.
     """
-    return _ReduceScatterToSequence.apply(x, group, dim)
+    return ReduceScatterToSPRegion.apply(x, group, dim)
 
 
-class _AllGatherLinear(torch.autograd.Function):
+class AllGatherLinear(torch.autograd.Function):
     """y_i = all_gather(x) · W_iᵀ + b_i for several column-parallel weights sharing one input."""
 
     @staticmethod
@@ -175,11 +178,12 @@ class _AllGatherLinear(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
         x, *weights = ctx.saved_tensors
         # Recompute the all-gather instead of having kept [b, s, H] alive since the forward.
-        full = collectives.all_gather(x.contiguous(), ctx.group, dim=SEQ_DIM)
+        # Under autocast the forward's matmuls ran in the gradients' dtype (bf16): these too.
+        full = collectives.all_gather(x.contiguous(), ctx.group, dim=SEQ_DIM).to(grads[0].dtype)
         grad_full = None
         grad_w, grad_b = [], []
         for g, w, has_b in zip(grads, weights, ctx.has_bias, strict=True):
-            gx = g @ w
+            gx = g @ w.to(g.dtype)
             grad_full = gx if grad_full is None else grad_full + gx
             grad_w.append(g.flatten(0, -2).T @ full.flatten(0, -2))
             grad_b.append(g.flatten(0, -2).sum(0) if has_b else None)
@@ -201,7 +205,7 @@ def all_gather_linear(
     """
     if len(weights) != len(biases):
         raise ValueError(f"got {len(weights)} weights but {len(biases)} biases (use None)")
-    return list(_AllGatherLinear.apply(x, group, len(weights), *weights, *biases))
+    return list(AllGatherLinear.apply(x, group, len(weights), *weights, *biases))
 
 
 def sequence_parallel_params(module: nn.Module) -> list[nn.Parameter]:
@@ -216,7 +220,7 @@ def mark_sequence_parallel(params: Iterable[nn.Parameter | None]) -> None:
             p.sequence_parallel = True
 
 
-def allreduce_sequence_parallel_grads(
+def all_reduce_sequence_parallel_grads(
     params: Iterable[nn.Parameter], group: dist.ProcessGroup | None = None
 ) -> None:
     """Sum the gradients of sequence-parallel parameters over the TP group, in place.

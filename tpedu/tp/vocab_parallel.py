@@ -70,7 +70,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     ) -> torch.Tensor:
         start, n, _ = _shard_info(logits_shard, vocab_size, group)
         bad = ((target < 0) | (target >= vocab_size)) & (target != ignore_index)
-        if bool(bad.any()):
+        # meta tensors (lesson 12's dry run) have shapes, no values to check
+        if target.device.type != "meta" and bool(bad.any()):
             raise ValueError(
                 f"targets must be in [0, {vocab_size}) or ignore_index={ignore_index}; "
                 f"found {target[bad][0].item()}"

@@ -8,8 +8,11 @@ parallelism, recompute, overlap) lives in a ParallelConfig, which generation doe
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
+from tpedu.checkpoint.convert import load_sharded_model
 from tpedu.launcher import device
 from tpedu.model.config import GPTConfig
 from tpedu.model.gpt import TPGPT
@@ -19,7 +22,7 @@ from tpedu.tp.vocab_parallel import sample, vocab_parallel_sample
 @torch.no_grad()
 def generate(
     config: GPTConfig,
-    state: dict[str, torch.Tensor],
+    state: dict[str, torch.Tensor] | str | Path,
     prompt_ids: list[int],
     max_new_tokens: int,
     temperature: float = 0.8,
@@ -32,8 +35,14 @@ def generate(
     vocab-parallel sampler, with the same generator seed on every rank; the noise comes from a
     CPU generator on every backend, so a tp=1 run on a GPU and a tp=2 run on CPU ranks draw the
     same noise (the text then differs only where the logits' rounding does).
+    `state`: the dense state dict (the same on every rank), or a model directory, from which
+    each rank reads only its own slices (checkpoint.load_sharded_model).
     """
-    model = TPGPT.from_state_dict(config, state).to(device())
+    if isinstance(state, dict):
+        model = TPGPT.from_state_dict(config, state)
+    else:
+        model = load_sharded_model(state)
+    model = model.to(device())
     model.eval()
     gen = torch.Generator().manual_seed(seed)  # CPU noise: the same tokens on CPU and CUDA ranks
     ids = torch.tensor([prompt_ids], dtype=torch.long, device=device())

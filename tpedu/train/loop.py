@@ -4,8 +4,9 @@
 `tpedu.launch`, the CLI, or torchrun). Plain tensor parallelism (`parallel.tp_only`) runs a
 model of the whole depth on every rank; anything else (pipeline, DP replicas, ZeRO-1,
 micro-batches) runs the 3D step, `step_3d`. Both go through the one loop, `run_loop`. Every
-rank of a TP group builds the same dense model from the same seed, shards it, draws the same
-batch (seeded by the step), and updates only its own shards.
+rank builds only its shards of the dense model the seed initialises (tpedu.model.sharded_init:
+the same values as building the dense model and sharding it, without its memory), draws the
+same batch as the rest of its TP group (seeded by the step), and updates only its own shards.
 
 Saved models are a directory: `config.json` (model + training settings), `tokenizer.json`, and
 `model.safetensors` with the *dense* state dict (gathered from the shards), written atomically
@@ -26,19 +27,19 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from tpedu.checkpoint.convert import write_model_dir
-from tpedu.checkpoint.sharded import resume_from, save_if_due  # lesson 13
+from tpedu.checkpoint.sharded import resume_from, save_if_due, saving_now  # lesson 13
 from tpedu.comm import collectives
 from tpedu.launcher import device
 from tpedu.model.config import GPTConfig
 from tpedu.model.dense import DenseGPT
 from tpedu.model.gpt import TPGPT
+from tpedu.model.sharded_init import build_sharded
 from tpedu.parallel.config import ParallelConfig
 from tpedu.parallel.data_parallel import DataParallel, ZeRO1
 from tpedu.parallel.mesh import Mesh
 from tpedu.parallel.pipeline.runtime import (
     Pipe,
     StepResult,
-    build_stage_chunks,
     run_schedule,
     sync_tied_grads,
 )
@@ -46,6 +47,8 @@ from tpedu.parallel.pipeline.schedules import schedule as pipeline_schedule
 from tpedu.parallel.pipeline.schedules import stage_layers, stage_of
 from tpedu.tp.sharding import divisors
 from tpedu.train.data.batches import packed_batch
+from tpedu.train.precision import DTYPES, LossScaler, autocast, make_scaler
+from tpedu.train.preempt import Preempted, agree_to_stop, sigterm_flag  # lesson 13
 
 
 @dataclass
@@ -64,6 +67,16 @@ class TrainConfig:
     ckpt_dir: str | None = None  # sharded checkpoints (lesson 13) go here ...
     save_every: int = 0  # ... every this many steps (and at the end); 0: only at the end
     resume: str | None = None  # a checkpoint (step dir or its parent) to continue from
+    dtype: str = "fp32"  # "bf16" / "fp16": autocast compute, fp32 master weights (precision.py)
+    grad_reduce: str = "fp32"  # DP all-reduce of the gradients: "fp32", or "low" (= dtype)
+    loss_scale: float = 2.0**16  # fp16: the initial loss scale ...
+    loss_scale_window: int = 1000  # ... doubled after this many steps without an overflow
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
+        if self.grad_reduce not in ("fp32", "low"):
+            raise ValueError(f"grad_reduce must be 'fp32' or 'low', got {self.grad_reduce!r}")
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -80,11 +93,11 @@ def build_model(
     group: dist.ProcessGroup | None = None,
     parallel: ParallelConfig | None = None,
 ) -> TPGPT:
-    """The same dense initialisation on every rank (same seed), sharded over `group`, run as
-    `parallel` says (sequence parallelism, recompute, overlap)."""
-    torch.manual_seed(seed)
+    """This rank's shards of the dense model that `seed` initialises (the same on every rank),
+    built without materialising the dense model (tpedu.model.sharded_init), run as `parallel`
+    says (sequence parallelism, recompute, overlap)."""
     options = parallel.model_options() if parallel else {}
-    return TPGPT(DenseGPT(config), group, **options).to(device())
+    return build_sharded(config, group, seed=seed, **options)[0].to(device())
 
 
 def count_parameters(config: GPTConfig) -> int:
@@ -104,6 +117,22 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Adam
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95))
 
 
+def make_stage_optimizer(
+    stage: torch.nn.Module, cfg: TrainConfig, zero: int, dp_group: dist.ProcessGroup | None
+) -> torch.optim.Optimizer | ZeRO1:
+    """A 3D rank's optimizer: make_optimizer's AdamW, or (zero = 1) its ZeRO-1 wrapper over the
+    DP group with the same parameter groups."""
+    if not zero:
+        return make_optimizer(stage, cfg)
+    groups = make_optimizer(stage, cfg).param_groups
+    return ZeRO1(
+        [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in groups],
+        dp_group,
+        lr=cfg.lr,
+        betas=(0.9, 0.95),
+    )
+
+
 @torch.no_grad()
 def evaluate(model: TPGPT, ids: torch.Tensor, cfg: TrainConfig, batches: int) -> float:
     """Mean loss over `batches` fixed batches (the same on every rank and every call)."""
@@ -112,7 +141,8 @@ def evaluate(model: TPGPT, ids: torch.Tensor, cfg: TrainConfig, batches: int) ->
     losses = []
     for i in range(batches):
         x, y = packed_batch(ids, cfg.batch, seq, step=i, seed=cfg.seed + 1)
-        losses.append(model(x.to(device()), y.to(device())).item())
+        with autocast(cfg.dtype, device()):
+            losses.append(model(x.to(device()), y.to(device())).item())
     model.train()
     return sum(losses) / len(losses)
 
@@ -134,18 +164,33 @@ def train_step(
     y: torch.Tensor,
     step: int,
     cfg: TrainConfig,
+    scaler: LossScaler | None = None,
 ) -> tuple[float, float]:
-    """One optimizer step; returns (loss, gradient norm before clipping)."""
+    """One optimizer step; returns (loss, gradient norm before clipping). With a LossScaler
+    (fp16) the backward runs on the scaled loss; a step whose gradients overflow on any rank is
+    skipped (weights and AdamW states untouched) and its norm reported as inf."""
     for g in opt.param_groups:
         g["lr"] = lr_at(step, cfg)
-    loss = model(x, y, step=step)
+    with autocast(cfg.dtype, x.device):
+        loss = model(x, y, step=step)
     opt.zero_grad(set_to_none=True)
-    loss.backward()
+    (loss * scaler.scale if scaler else loss).backward()
     model.sync_grads()
+    if finish_scaled(scaler, model.parameters()):
+        return loss.item(), math.inf
     norm = model.grad_norm()
     clip_grads(model.parameters(), norm, cfg.grad_clip)
     opt.step()
     return loss.item(), norm.item()
+
+
+def finish_scaled(scaler: LossScaler | None, params: Iterable[torch.nn.Parameter]) -> bool:
+    """Unscale the gradients and update the scale; True if this step must be skipped."""
+    if scaler is None:
+        return False
+    overflow = scaler.unscale_and_check(params)
+    scaler.update(overflow)
+    return overflow
 
 
 def train(
@@ -167,11 +212,12 @@ def train(
     tp = parallel.tp
     model = build_model(config, cfg.seed, parallel=parallel)
     opt = make_optimizer(model, cfg)
-    first = resume_from(cfg, model, opt)  # 0 unless cfg.resume
+    scaler = make_scaler(cfg.dtype, cfg.loss_scale, cfg.loss_scale_window)
+    first = resume_from(cfg, model, opt, scaler)  # 0 unless cfg.resume
 
     def step(k: int) -> tuple[float, float]:
         x, y = packed_batch(train_ids, cfg.batch, config.seq_len, k, cfg.seed)
-        return train_step(model, opt, x.to(device()), y.to(device()), k, cfg)
+        return train_step(model, opt, x.to(device()), y.to(device()), k, cfg, scaler)
 
     losses, history, seconds = run_loop(
         cfg,
@@ -179,9 +225,11 @@ def train(
         f"train tp={tp}",
         step,
         evaluate=lambda: evaluate(model, val_ids, cfg, cfg.eval_batches),
-        save=lambda k: save_if_due(cfg, k, model, opt, parallel=parallel, tok=tok),
+        save=lambda k: save_if_due(cfg, k, model, opt, parallel=parallel, tok=tok, scaler=scaler),
     )
     summary = _summary(config, parallel, cfg, losses, history, seconds, model, tp=tp)
+    if scaler is not None:
+        summary["loss_scale"] = scaler.state_dict()
     if out is not None:
         _write_dense(model.gather_state_dict(), config, cfg, out, tok)
     return summary
@@ -201,22 +249,35 @@ def run_loop(
     (loss, gradient norm), the same on every rank. After each step `save(k + 1)` (a sharded
     checkpoint when due); every cfg.eval_every steps and at the end, `evaluate()` gives the
     validation loss. The progress bar and the evaluation lines are rank 0's.
+
+    Preemption (lesson 13, tpedu.train.preempt): SIGTERM on any rank stops every rank after the
+    same step k: `save(k + 1)` saves whether due or not (cfg.ckpt_dir; without one nothing is
+    saved) and `Preempted(k + 1, path)` is raised. One 4-byte all-reduce per step decides it.
     """
     rank0 = dist.get_rank() == 0
     losses: list[float] = []
     history: list[dict] = []
     start = time.perf_counter()
     bar = tqdm(range(first, cfg.steps), disable=not (cfg.progress and rank0), desc=desc)
-    for k in bar:
-        loss, norm = step(k)
-        losses.append(loss)
-        save(k + 1)
-        bar.set_postfix(loss=f"{loss:.3f}")
-        if cfg.eval_every and ((k + 1) % cfg.eval_every == 0 or k + 1 == cfg.steps):
-            val = evaluate()
-            history.append({"step": k + 1, "train_loss": loss, "val_loss": val, "grad_norm": norm})
-            if rank0 and cfg.progress:
-                bar.write(f"step {k + 1:>5}: train loss {loss:.4f}  val loss {val:.4f}")
+    with sigterm_flag() as sigterm:
+        for k in bar:
+            loss, norm = step(k)
+            losses.append(loss)
+            saved = save(k + 1)
+            if agree_to_stop(sigterm):  # after every step, so every rank stops at the same one
+                if saved is None:  # not due: save anyway (None again without a ckpt_dir)
+                    with saving_now():
+                        saved = save(k + 1)
+                bar.close()
+                raise Preempted(k + 1, saved)
+            bar.set_postfix(loss=f"{loss:.3f}")
+            if cfg.eval_every and ((k + 1) % cfg.eval_every == 0 or k + 1 == cfg.steps):
+                val = evaluate()
+                history.append(
+                    {"step": k + 1, "train_loss": loss, "val_loss": val, "grad_norm": norm}
+                )
+                if rank0 and cfg.progress:
+                    bar.write(f"step {k + 1:>5}: train loss {loss:.4f}  val loss {val:.4f}")
     return losses, history, time.perf_counter() - start
 
 
@@ -286,7 +347,7 @@ def grad_norm_3d(chunks: Sequence[TPGPT], mesh: Mesh) -> torch.Tensor:
     return collectives.all_reduce(sq, mesh.pp_group).sqrt()
 
 
-def _replica_mean(value: torch.Tensor | None, mesh: Mesh) -> float:
+def replica_mean(value: torch.Tensor | None, mesh: Mesh) -> float:
     """The last stage's loss, averaged over DP replicas, on every rank (1 world all-reduce)."""
     t = torch.zeros((), dtype=torch.float64, device=device())
     if value is not None and mesh.tp_rank == 0:
@@ -307,6 +368,8 @@ def step_3d(
     dpar: DataParallel | None,
     max_norm: float,
     step: int = 0,
+    precision: str = "fp32",
+    scaler: LossScaler | None = None,
 ) -> tuple[StepResult, torch.Tensor]:
     """One training step of this rank's stage; returns (run_schedule's result, gradient norm).
 
@@ -315,16 +378,22 @@ def step_3d(
     schedule's actions. Communication, in order: the pipeline's sends and receives, DP bucket
     all-reduces during the last micro-batch's backward (`dpar`), the tied-embedding all-reduce
     (first + last stage), the TP gradient fix-ups, 2 all-reduces for the global gradient norm.
+    `precision` / `scaler`: as train_step's (an fp16 overflow skips the step: norm = inf).
     """
     opt.zero_grad(set_to_none=True)
-    res = run_schedule(
-        chunks, acts, pipe, xs, ys, shape, dtype, step=step, no_sync=dpar.no_sync if dpar else None
-    )
+    no_sync = dpar.no_sync if dpar else None
+    scale = scaler.scale if scaler else 1.0
+    with autocast(precision, next(chunks[0].parameters()).device):
+        res = run_schedule(
+            chunks, acts, pipe, xs, ys, shape, dtype, step=step, no_sync=no_sync, loss_scale=scale
+        )
     if dpar is not None:
         dpar.finish()
     sync_tied_grads(chunks, mesh.emb_group)
     for chunk in chunks:
         chunk.sync_grads()
+    if finish_scaled(scaler, (p for chunk in chunks for p in chunk.parameters())):
+        return res, torch.tensor(math.inf)
     norm = grad_norm_3d(chunks, mesh)
     clip_grads((p for chunk in chunks for p in chunk.parameters()), norm, max_norm)
     opt.step()
@@ -369,24 +438,16 @@ def _train_3d(
     v = parallel.chunks
     acts = pipeline_schedule(kind, m, pp, mesh.pp_rank, v)  # raises before any model exists
     forward_only = [("F", j, c) for c in range(v) for j in range(m)]
-    torch.manual_seed(cfg.seed)
-    dense = DenseGPT(config)
-    split, options = parallel.stage_split, parallel.model_options()
-    models = build_stage_chunks(dense, mesh.tp_group, mesh.pp_rank, pp, v, split, **options)
+    parts = stage_layers(config, pp * v, parallel.stage_split)
+    mine = [parts[c * pp + mesh.pp_rank] for c in range(v)]  # virtual stage c·pp + pp_rank
+    models = build_sharded(config, mesh.tp_group, mine, cfg.seed, **parallel.model_options())
     chunks = [c.to(device()) for c in models]  # this rank's model chunks
     stage = torch.nn.ModuleList(chunks)  # all of this rank's parameters
-    dpar = DataParallel(stage, mesh.dp_group) if dp > 1 else None
-    if zero:
-        groups = make_optimizer(stage, cfg).param_groups
-        opt = ZeRO1(
-            [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in groups],
-            mesh.dp_group,
-            lr=cfg.lr,
-            betas=(0.9, 0.95),
-        )
-    else:
-        opt = make_optimizer(stage, cfg)
-    first = resume_from(cfg, chunks, opt)  # 0 unless cfg.resume
+    low = DTYPES[cfg.dtype] if cfg.grad_reduce == "low" else None
+    dpar = DataParallel(stage, mesh.dp_group, reduce_dtype=low) if dp > 1 else None
+    opt = make_stage_optimizer(stage, cfg, zero, mesh.dp_group)
+    scaler = make_scaler(cfg.dtype, cfg.loss_scale, cfg.loss_scale_window)
+    first = resume_from(cfg, chunks, opt, scaler)  # 0 unless cfg.resume
     pipe = Pipe.from_mesh(mesh)
     seq = config.seq_len // (tp if parallel.sequence_parallel else 1)
     shape, dtype = (b // m, seq, config.hidden), next(stage.parameters()).dtype
@@ -401,8 +462,9 @@ def _train_3d(
         losses = []
         for i in range(cfg.eval_batches):
             xs, ys = micro(val_ids, i, cfg.seed + 1)
-            res = run_schedule(chunks, forward_only, pipe, xs, ys, shape, dtype)
-            losses.append(_replica_mean(res.loss, mesh))
+            with autocast(cfg.dtype, device()):
+                res = run_schedule(chunks, forward_only, pipe, xs, ys, shape, dtype)
+            losses.append(replica_mean(res.loss, mesh))
         stage.train()
         return sum(losses) / len(losses)
 
@@ -411,9 +473,22 @@ def _train_3d(
             g["lr"] = lr_at(k, cfg)
         xs, ys = micro(train_ids, k, cfg.seed)
         res, norm = step_3d(
-            chunks, opt, mesh, pipe, acts, xs, ys, shape, dtype, dpar, cfg.grad_clip, k
+            chunks,
+            opt,
+            mesh,
+            pipe,
+            acts,
+            xs,
+            ys,
+            shape,
+            dtype,
+            dpar,
+            cfg.grad_clip,
+            k,
+            cfg.dtype,
+            scaler,
         )
-        return _replica_mean(res.loss, mesh), norm.item()
+        return replica_mean(res.loss, mesh), norm.item()
 
     losses, history, seconds = run_loop(
         cfg,
@@ -421,7 +496,9 @@ def _train_3d(
         f"train tp={tp} pp={pp} dp={dp}",
         step,
         evaluate=evaluate_3d,
-        save=lambda k: save_if_due(cfg, k, chunks, opt, mesh=mesh, parallel=parallel, tok=tok),
+        save=lambda k: save_if_due(
+            cfg, k, chunks, opt, mesh=mesh, parallel=parallel, tok=tok, scaler=scaler
+        ),
     )
     stages = [[r.start, r.stop] for r in stage_layers(config, pp * v, parallel.stage_split)]
     summary = _summary(
@@ -441,6 +518,8 @@ def _train_3d(
         chunks=v,
         stages=stages,
     )
+    if scaler is not None:
+        summary["loss_scale"] = scaler.state_dict()
     if out is not None:
         state = gather_pipeline_state(chunks, mesh, parallel.stage_split)
         _write_dense(state, config, cfg, out, tok)

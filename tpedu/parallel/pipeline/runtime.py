@@ -28,20 +28,38 @@ from tpedu.parallel.pipeline.schedules import Action, Event, _parts, stage_layer
 @dataclass
 class Pipe:
     """This rank's place in one pipeline: stage index, the global ranks of all stages, and the
-    groups activations (forward) and gradients (backward) travel on."""
+    groups activations (forward) and gradients (backward) travel on; the interleaved schedule's
+    wrap-around edge between the last and the first stage has its own pair (None: the same)."""
 
     stage: int
     ranks: list[int]
     fwd_group: dist.ProcessGroup | None
     bwd_group: dist.ProcessGroup | None
+    wrap_fwd_group: dist.ProcessGroup | None = None
+    wrap_bwd_group: dist.ProcessGroup | None = None
 
     @classmethod
     def from_mesh(cls, mesh) -> Pipe:  # noqa: ANN001 - tpedu.parallel.mesh.Mesh (no import cycle)
-        return cls(mesh.pp_rank, mesh.members["pp"], mesh.groups["pp"], mesh.groups["pp_grad"])
+        g = mesh.groups
+        return cls(
+            mesh.pp_rank, mesh.members["pp"], g["pp"], g["pp_grad"], g["pp_wrap"], g["pp_grad_wrap"]
+        )
 
     @property
     def stages(self) -> int:
         return len(self.ranks)
+
+
+def _edge(pipe: Pipe, src: int, dst: int, direction: str) -> dist.ProcessGroup | None:
+    """The group of the edge src -> dst (stage indices, taken mod p): the wrap-around group for
+    an activation leaving the last stage (to the next chunk on stage 0) or a gradient leaving
+    stage 0 (back to the previous chunk on the last stage), else the direction's own group."""
+    p = pipe.stages
+    if direction == "fwd":
+        wraps = src % p == p - 1
+        return pipe.wrap_fwd_group if wraps and pipe.wrap_fwd_group else pipe.fwd_group
+    wraps = src % p == 0 and dst % p == p - 1
+    return pipe.wrap_bwd_group if wraps and pipe.wrap_bwd_group else pipe.bwd_group
 
 
 class PipelineTimeout(RuntimeError):
@@ -68,6 +86,7 @@ def run_schedule(
     step: int = 0,
     no_sync: Callable[[], object] | None = None,
     recv_timeout: float | None = None,
+    loss_scale: float = 1.0,
 ) -> StepResult:
     """Run this rank's `actions` on its model `chunks`; backward leaves gradients in .grad.
 
@@ -78,7 +97,8 @@ def run_schedule(
     when every micro-batch has the same number of counted tokens.
     `no_sync()` (e.g. DataParallel.no_sync) wraps every backward except the last micro-batch's,
     so gradient all-reduces run once, in the last backward. Without backward actions this is a
-    forward-only pass (evaluation: call it under torch.no_grad()).
+    forward-only pass (evaluation: call it under torch.no_grad()). `loss_scale` multiplies the
+    last stage's loss before its backward (fp16 loss scaling; the returned loss is unscaled).
     Communication per micro-batch and stage boundary: forward 1 send/recv of [b, s, H];
     backward 1 send/recv of its gradient.
     """
@@ -130,7 +150,11 @@ def run_schedule(
                 x = (
                     loopback.pop(("F", mb, vs))
                     if p == 1
-                    else receive(prev_rank, pipe.fwd_group, f"the activation of micro-batch {mb}")
+                    else receive(
+                        prev_rank,
+                        _edge(pipe, s - 1, s, "fwd"),
+                        f"the activation of micro-batch {mb}",
+                    )
                 )
                 x.requires_grad_(torch.is_grad_enabled())
             t = clock()
@@ -140,11 +164,12 @@ def run_schedule(
                 out = out / n_micro
                 total = out.detach() if total is None else total + out.detach()
             else:
-                y = out.detach().contiguous()
+                y = out.detach().to(dtype).contiguous()  # the receiver's buffer dtype
                 if p == 1:  # one stage, several chunks: the next virtual stage is on this rank
                     loopback[("F", mb, vs + 1)] = y
                 else:
-                    sends.append((collectives.isend(y, next_rank, pipe.fwd_group), y))
+                    group = _edge(pipe, s, s + 1, "fwd")
+                    sends.append((collectives.isend(y, next_rank, group), y))
             if torch.is_grad_enabled():
                 stash[(mb, c)] = (x, out)
                 peak = max(peak, len(stash))
@@ -154,9 +179,12 @@ def run_schedule(
             if vs != last_vs and p == 1:
                 grad = loopback.pop(("B", mb, vs))
             elif vs != last_vs:
-                grad = receive(next_rank, pipe.bwd_group, f"the gradient of micro-batch {mb}")
+                group = _edge(pipe, s + 1, s, "bwd")
+                grad = receive(next_rank, group, f"the gradient of micro-batch {mb}")
             sync = no_sync is None or mb == n_micro - 1
             t = clock()
+            if vs == last_vs and loss_scale != 1.0:
+                out = out * loss_scale
             with nullcontext() if sync else no_sync():
                 torch.autograd.backward(out, grad)
             events.append(Event(s, "B", mb, c, t, clock()))
@@ -165,7 +193,7 @@ def run_schedule(
                 if p == 1:
                     loopback[("B", mb, vs - 1)] = g
                 else:
-                    sends.append((collectives.isend(g, prev_rank, pipe.bwd_group), g))
+                    sends.append((collectives.isend(g, prev_rank, _edge(pipe, s, s - 1, "bwd")), g))
     for work, _ in sends:
         work.wait()
     return StepResult(total, events, peak)

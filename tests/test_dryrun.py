@@ -1,0 +1,216 @@
+"""Lesson 12's dry run (tpedu.analysis.dryrun): one rank of a big layout, stepped on the meta
+device under a fake process group.
+
+- small sizes: every rank's dry-run figures (parameter, gradient, optimizer-state and peak
+  activation bytes, traced calls and bytes per group) equal a real run on gloo ranks of the
+  same code, and its traffic equals a real `train()` step's;
+- full size (the 128-GPU layout, 6.7B parameters): every figure is the ledger's (or the
+  what-if's) plus named differences, nothing unexplained;
+- the CLI prints the 128-GPU table in seconds, and refuses bad input with one line, exit 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from tests.test_cli_3d import tpedu  # runs the CLI in this process: (exit code, stdout, stderr)
+from tpedu import launch
+from tpedu.analysis import dryrun
+from tpedu.comm import collectives
+from tpedu.comm.tracer import CommTracer
+from tpedu.model.config import GPTConfig
+from tpedu.parallel.config import ParallelConfig
+from tpedu.train.loop import TrainConfig, train
+
+SMALL = GPTConfig.gpt2_like(101, seq_len=16, n_layers=4, hidden=32, n_heads=4)
+BIG = GPTConfig.gpt2_like(50257, seq_len=2048, n_layers=32, hidden=4096, n_heads=32)
+SEED_128 = "--tp 4 --pp 4 --dp 8 --layers 32 --hidden 4096 --heads 32 --seq 2048".split()
+
+LAYOUTS = {
+    "tp2 pp2 dp2": (SMALL, ParallelConfig(2, 2, 2)),
+    "tp2 pp2 dp2, SP, full recompute, ZeRO-1": (
+        SMALL,
+        ParallelConfig(2, 2, 2, sequence_parallel=True, recompute="full", zero=1),
+    ),
+    "tp4 pp2, KV heads replicated, selective": (
+        dataclasses.replace(SMALL, n_kv_heads=1),
+        ParallelConfig(4, 2, 1, recompute="selective"),
+    ),
+    "tp2 only (train's TP loop), replicated untied embedding": (
+        dataclasses.replace(SMALL, vocab_parallel=False, tie_embeddings=False),
+        ParallelConfig(2),
+    ),
+    "llama pp2 dp2, interleaved": (
+        GPTConfig.llama_like(101, seq_len=16, n_layers=4, hidden=32, n_heads=4),
+        ParallelConfig(1, 2, 2, schedule="interleaved", chunks=2, micro_batches=2),
+    ),
+}
+
+
+def _measure(config: GPTConfig, parallel: ParallelConfig, batch: int) -> dryrun.RankFigures:
+    return dryrun.measure_rank(config, parallel, batch, device="cpu")
+
+
+def _train_one_step(config: GPTConfig, parallel: ParallelConfig, batch: int) -> tuple:
+    ids = torch.randint(config.vocab_size, (2048,), generator=torch.Generator().manual_seed(0))
+    cfg = TrainConfig(steps=1, batch=batch, eval_every=0, progress=False)
+    with CommTracer() as tracer:
+        train(config, cfg, ids, ids, parallel=parallel)
+    return dryrun.traffic_summary(tracer)
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_dry_run_equals_real_ranks(name):
+    config, parallel = LAYOUTS[name]
+    ranks = range(parallel.world)
+    dry = [r.figures for r in dryrun.dry_run(config, parallel, 8, ranks)]
+    real = launch(_measure, parallel.world, config, parallel, 8)
+    trained = launch(_train_one_step, parallel.world, config, parallel, 8)
+    for d, r, t in zip(dry, real, trained, strict=True):
+        assert d.comparable() == r.comparable(), f"rank {d.rank}"
+        assert d.traffic == t, f"rank {d.rank}: the dry step's traffic is not train()'s"
+        assert d.activations > 0 and d.optimizer > 0 and d.traffic
+
+
+@pytest.mark.parametrize("name", [n for n in LAYOUTS if "llama" not in n])
+def test_small_layouts_fully_explained(name):
+    config, parallel = LAYOUTS[name]
+    for run in dryrun.dry_run(config, parallel, 8, range(parallel.world)):
+        for c in run.comparisons:
+            assert abs(c.unexplained) < 0.5, (run.figures.rank, c)
+
+
+@pytest.fixture(scope="module")
+def big_runs():
+    """The README's SLURM example (6.7B, 128 GPUs, ZeRO-1, batch 64): rank 0, a middle stage's
+    rank 37 and the last stage's rank 12."""
+    parallel = ParallelConfig(4, 4, 8, zero=1)
+    return {r.figures.rank: r for r in dryrun.dry_run(BIG, parallel, 64, [0, 37, 12])}
+
+
+def test_big_layout_against_the_ledger(big_runs):
+    for rank, run in big_runs.items():
+        for c in run.comparisons:
+            assert c.predicted is not None, c
+            assert abs(c.unexplained) < 0.5, (rank, c)
+    first = big_runs[0]
+    for what in ("parameters", "weights", "gradients"):  # the ledger describes stage 0 exactly
+        c = first.comparison(what)
+        assert c.measured == c.predicted and not c.terms
+    f = first.figures
+    assert f.params == 462_761_984 and f.weights == f.gradients == 4 * f.params
+    assert f.micro_batches == 8 and f.micro_batch == 1
+    # 1F1B on 4 stages: stage s holds 4 - s micro-batches at its peak; the ledger's pp = 4
+    assert [big_runs[r].figures.in_flight for r in (0, 37, 12)] == [4, 3, 1]
+    assert f.layer_forwards == 32 == 4 * 8
+    assert f.act_layers == 32 * f.act_per_layer  # every block forward saves the same
+    # the dp group carries every gradient once (buckets) and every parameter once (ZeRO-1)
+    dp = {t.op: t.bytes for t in f.traffic if t.group == "dp"}
+    assert dp == {"all_reduce": f.weights, "broadcast": f.weights}
+    assert 0 < f.optimizer_params < f.params / 4  # ZeRO-1: about 1/8 of the states
+    last = big_runs[12].figures
+    assert last.last and not last.first and last.act_head > 0 and last.act_embedding == 0
+
+
+def test_a_miscounted_byte_is_unexplained(big_runs):
+    run = big_runs[37]
+    for field in ("weights", "optimizer_steps", "act_layers"):
+        wrong = dataclasses.replace(run.figures, **{field: getattr(run.figures, field) + 1})
+        if field == "act_layers":
+            wrong = dataclasses.replace(wrong, activations=wrong.activations + 1)
+        comps = dryrun.compare(wrong, BIG, run.parallel, run.batch)
+        assert sum(abs(c.unexplained) for c in comps) == 1, field
+        assert "UNEXPLAINED" in dryrun.format_table(dataclasses.replace(run, comparisons=comps))
+
+
+def test_nothing_leaks_into_the_caller():
+    names = dict(collectives._group_names)
+    sdpa = F.scaled_dot_product_attention
+    runs = dryrun.dry_run(SMALL, ParallelConfig(2, 2, 2), 8)
+    assert [r.figures.rank for r in runs] == [0, 2]  # rank 0 and the last stage's first
+    assert not dist.is_initialized()
+    assert F.scaled_dot_product_attention is sdpa
+    assert collectives._group_names == names
+    assert dryrun.format_table(runs[0]) == dryrun.format_table(
+        dryrun.dry_run(SMALL, ParallelConfig(2, 2, 2), 8, [0])[0]
+    )
+
+
+def _dry_run_in_a_rank() -> dryrun.RankFigures:
+    return dryrun.dry_run(SMALL, ParallelConfig(2, 2, 1), 8, [3])[0].figures
+
+
+def test_dry_run_inside_a_launched_rank_uses_a_fresh_process():
+    inside = launch(_dry_run_in_a_rank, 1, timeout=120)[0]
+    assert inside == dryrun.dry_run(SMALL, ParallelConfig(2, 2, 1), 8, [3])[0].figures
+
+
+def test_cli_prints_the_128_gpu_table_in_seconds():
+    """About 3 s here; the 60 s limit is not a benchmark but a tripwire: a dry run that
+    materialised the 6.7 B model (26 GB) would take minutes or run out of memory."""
+    start = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, "-m", "tpedu", "dryrun", *SEED_128],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    seconds = time.perf_counter() - start
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "dry run: rank 0 of 128 (tp 0/4, pp 0/4, dp 0/8)" in out
+    assert "dry run: rank 12 of 128 (tp 0/4, pp 3/4, dp 0/8)" in out
+    assert "parameters                         462,761,984       462,761,984" in out
+    assert "UNEXPLAINED" not in out and "n/a" not in out
+    assert seconds < 60
+
+
+def test_cli_rank_all(capfd):
+    code, out, err = tpedu(
+        capfd,
+        "dryrun",
+        *"--tp 2 --pp 2 --layers 2 --hidden 32".split(),
+        "--heads",
+        "4",
+        "--seq",
+        "16",
+        "--vocab",
+        "101",
+        "--rank",
+        "all",
+    )
+    assert code == 0, err
+    rows = out.strip().splitlines()[2:]
+    assert [int(r.split()[0]) for r in rows] == [0, 1, 2, 3]
+    assert all(r.split()[-1] == "0" for r in rows)  # nothing unexplained on any rank
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--tp", "3", "--heads", "32", "--hidden", "4096"], "32 heads are not divisible by tp=3"),
+        ([*SEED_128, "--rank", "128"], "--rank 128 is outside the 128 ranks"),
+        (["--rank", "x"], "--rank x: give global ranks"),
+        (["--dp", "3"], "--batch 8 is not divisible by --dp 3"),
+        (["--layers", "0"], "--layers must be at least 1, got 0"),
+        (["--vocab", "0"], "--vocab must be at least 1, got 0"),
+        (["--pp", "4", "--layers", "2"], "2 layers cannot be split over 4 stages"),
+        (["--tp", "0"], "tp must be a positive integer"),
+        (["--dtype", "bf16"], "--dtype bf16: the dry run steps in fp32 only"),
+        (["--pp", "2", "--micro-batches", "3"], "--micro-batches 3 does not divide"),
+        (["--tp", "4", "--seq", "18", "--sequence-parallel"], "s = 18 is not divisible by tp=4"),
+    ],
+)
+def test_cli_bad_input_is_one_line(capfd, args, message):
+    code, out, err = tpedu(capfd, "dryrun", *args)
+    assert code == 2, err
+    assert message in err and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("tpedu: error: ") and "Traceback" not in err and not out
