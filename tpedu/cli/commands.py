@@ -136,6 +136,14 @@ def _resume_command(argv: list[str], ckpt_dir: str) -> str:
     return f"{prefix} {shlex.join([*keep, '--resume', ckpt_dir])}"
 
 
+def model_config(args: argparse.Namespace, vocab_size: int, **fields: object) -> GPTConfig:
+    """The GPTConfig of the model flags (`parser._model_flags`), plus `fields`."""
+    preset = GPTConfig.llama_like if args.arch == "llama" else GPTConfig.gpt2_like
+    kv = {"n_kv_heads": args.kv_heads} if args.kv_heads or args.arch == "gpt2" else {}
+    shape = {"seq_len": args.seq, "n_layers": args.layers, "hidden": args.hidden}
+    return preset(vocab_size, n_heads=args.heads, **shape, **kv, **fields)
+
+
 def _train(args: argparse.Namespace) -> int:
     # here, not at import: the training stack costs ~0.6 s that hello, reshard and every
     # refused input would pay
@@ -150,17 +158,8 @@ def _train(args: argparse.Namespace) -> int:
         tok, train_ids, val_ids = novel_data(args.tokenizer, args.bpe_vocab)
     except FileNotFoundError as e:
         fail(str(e))
-    preset = GPTConfig.llama_like if args.arch == "llama" else GPTConfig.gpt2_like
-    kv = {"n_kv_heads": args.kv_heads} if args.kv_heads or args.arch == "gpt2" else {}
-    config = preset(
-        tok.vocab_size,
-        seq_len=args.seq,
-        n_layers=args.layers,
-        hidden=args.hidden,
-        n_heads=args.heads,
-        dropout=args.dropout,
-        vocab_parallel=not args.replicated_embedding,
-        **kv,
+    config = model_config(
+        args, tok.vocab_size, dropout=args.dropout, vocab_parallel=not args.replicated_embedding
     )
     if saved is not None:  # the checkpoint's model; the flags choose only how it runs
         checks.check_vocab(args, saved, tok.vocab_size)
@@ -223,16 +222,7 @@ def _dryrun(args: argparse.Namespace) -> int:
             f"under {args.dtype} too, only activations and TP messages would be 2-byte"
         )
     parallel = checks.parallel_config(args)
-    preset = GPTConfig.llama_like if args.arch == "llama" else GPTConfig.gpt2_like
-    kv = {"n_kv_heads": args.kv_heads} if args.kv_heads or args.arch == "gpt2" else {}
-    config = preset(
-        args.vocab,
-        seq_len=args.seq,
-        n_layers=args.layers,
-        hidden=args.hidden,
-        n_heads=args.heads,
-        **kv,
-    )
+    config = model_config(args, args.vocab)
     checks.check_config(config, parallel)
     if not parallel.tp_only:
         checks.check_layout(args, args.layers)

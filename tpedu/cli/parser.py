@@ -70,13 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
         "given; the last line on stderr is the command that continues with --resume)",
     )
     _common(tr, "--tp")
-    tr.add_argument("--arch", choices=["gpt2", "llama"], default="gpt2")
-    tr.add_argument("--layers", type=int, default=2)
-    tr.add_argument("--hidden", type=int, default=128)
-    tr.add_argument("--heads", type=int, default=4)
-    tr.add_argument("--kv-heads", type=int, default=None, help="grouped-query attention")
-    tr.add_argument("--seq", type=int, default=128)
-    tr.add_argument("--batch", type=int, default=8)
+    _model_flags(tr)
     tr.add_argument("--steps", type=int, default=200)
     tr.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     tr.add_argument(
@@ -109,22 +103,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="keep the whole embedding on every rank instead of splitting the vocabulary",
     )
     tr.add_argument(
-        "--sequence-parallel",
-        action="store_true",
-        help="shard norms, dropout and residuals along the sequence (lesson 08)",
-    )
-    tr.add_argument(
-        "--recompute",
-        choices=["none", "selective", "full"],
-        default="none",
-        help="recompute in backward: the attention core, or whole blocks (lesson 09)",
-    )
-    tr.add_argument(
-        "--overlap-comm",
-        action="store_true",
-        help="overlap each f's backward all-reduce with dL/dW (lesson 14; same result)",
-    )
-    tr.add_argument(
         "--eval-every",
         type=int,
         default=50,
@@ -146,33 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tr.add_argument("--out", default=None, help="directory to save the trained model in")
     tr.add_argument("--json", default=None, help="also write the full summary (all losses) here")
-    tr.add_argument("--pp", type=int, default=1, help="pipeline stages (lesson 10)")
-    tr.add_argument("--dp", type=int, default=1, help="data-parallel replicas (lesson 11)")
-    tr.add_argument(
-        "--micro-batches",
-        type=int,
-        default=None,
-        help="micro-batches per step with --pp (default: the largest ≤ 2·pp dividing batch/dp)",
-    )
-    tr.add_argument("--zero1", action="store_true", help="shard AdamW's states over --dp ranks")
-    tr.add_argument(
-        "--schedule",
-        choices=["1f1b", "gpipe", "interleaved"],
-        default="1f1b",
-        help="pipeline schedule with --pp (lesson 10)",
-    )
-    tr.add_argument(
-        "--chunks",
-        type=int,
-        default=1,
-        help="model chunks per pipeline rank (--schedule interleaved)",
-    )
-    tr.add_argument(
-        "--stage-split",
-        choices=["even", "flops"],
-        default="even",
-        help="blocks per pipeline stage: even, or by FLOPs counting the head (lesson 10)",
-    )
+    _layout_flags(tr)
     tr.add_argument("--ckpt-dir", default=None, help="write sharded checkpoints here (lesson 13)")
     tr.add_argument(
         "--save-every",
@@ -217,37 +169,76 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _model_flags(p: argparse.ArgumentParser) -> None:
+    """The model's shape and the global batch (train, dryrun)."""
+    p.add_argument("--arch", choices=["gpt2", "llama"], default="gpt2")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=None, help="grouped-query attention")
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--batch", type=int, default=8, help="global batch (sequences per step)")
+
+
+def _layout_flags(p: argparse.ArgumentParser) -> None:
+    """How the model runs, beside --tp: every ParallelConfig field (train, dryrun)."""
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages (lesson 10)")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel replicas (lesson 11)")
+    p.add_argument(
+        "--micro-batches",
+        type=int,
+        default=None,
+        help="micro-batches per step with --pp (default: the largest ≤ 2·pp dividing batch/dp)",
+    )
+    p.add_argument("--zero1", action="store_true", help="shard AdamW's states over --dp ranks")
+    p.add_argument(
+        "--schedule",
+        choices=["1f1b", "gpipe", "interleaved"],
+        default="1f1b",
+        help="pipeline schedule with --pp (lesson 10)",
+    )
+    p.add_argument(
+        "--chunks",
+        type=int,
+        default=1,
+        help="model chunks per pipeline rank (--schedule interleaved)",
+    )
+    p.add_argument(
+        "--stage-split",
+        choices=["even", "flops"],
+        default="even",
+        help="blocks per pipeline stage: even, or by FLOPs counting the head (lesson 10)",
+    )
+    p.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="shard norms, dropout and residuals along the sequence (lesson 08)",
+    )
+    p.add_argument(
+        "--recompute",
+        choices=["none", "selective", "full"],
+        default="none",
+        help="recompute in backward: the attention core, or whole blocks (lesson 09)",
+    )
+    p.add_argument(
+        "--overlap-comm",
+        action="store_true",
+        help="overlap each f's backward all-reduce with dL/dW (lesson 14; same result)",
+    )
+
+
 def _dryrun_parser(sub: argparse._SubParsersAction) -> None:
     """`dryrun` (lesson 12): train's model and layout flags, plus --vocab and --rank."""
     dr = sub.add_parser(
         "dryrun",
         help="one rank of a large layout on the meta device: memory and traffic of one step",
     )
-    dr.add_argument("--arch", choices=["gpt2", "llama"], default="gpt2")
-    dr.add_argument("--layers", type=int, default=2)
-    dr.add_argument("--hidden", type=int, default=128)
-    dr.add_argument("--heads", type=int, default=4)
-    dr.add_argument("--kv-heads", type=int, default=None, help="grouped-query attention")
-    dr.add_argument("--seq", type=int, default=128)
-    dr.add_argument("--batch", type=int, default=8, help="global batch (sequences per step)")
+    _model_flags(dr)
     dr.add_argument(
         "--vocab", type=int, default=50257, help="vocabulary size (no tokenizer is loaded)"
     )
     dr.add_argument("--tp", type=int, default=1)
-    dr.add_argument("--pp", type=int, default=1, help="pipeline stages (lesson 10)")
-    dr.add_argument("--dp", type=int, default=1, help="data-parallel replicas (lesson 11)")
-    dr.add_argument(
-        "--micro-batches",
-        type=int,
-        default=None,
-        help="micro-batches per step with --pp (default: the largest ≤ 2·pp dividing batch/dp)",
-    )
-    dr.add_argument("--schedule", choices=["1f1b", "gpipe", "interleaved"], default="1f1b")
-    dr.add_argument("--chunks", type=int, default=1, help="model chunks per pipeline rank")
-    dr.add_argument("--stage-split", choices=["even", "flops"], default="even")
-    dr.add_argument("--sequence-parallel", action="store_true")
-    dr.add_argument("--recompute", choices=["none", "selective", "full"], default="none")
-    dr.add_argument("--zero1", action="store_true", help="shard AdamW's states over --dp ranks")
+    _layout_flags(dr)
     dr.add_argument(
         "--dtype",
         choices=["fp32", "bf16", "fp16"],
@@ -261,4 +252,4 @@ def _dryrun_parser(sub: argparse._SubParsersAction) -> None:
         help="global ranks to dry-run (default: rank 0 and the first rank of the last "
         "stage), or `all` for a one-line summary of every rank",
     )
-    dr.set_defaults(overlap_comm=False, resume=None)
+    dr.set_defaults(resume=None)
