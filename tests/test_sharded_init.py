@@ -129,3 +129,67 @@ def test_a_model_directory_loads_each_ranks_slices_only(tmp_path, name):
     for tp in (1, 2, 4):
         for rank, differ in enumerate(launch(_from_dir, tp, str(tmp_path / "m"), tp > 1)):
             assert differ == [], f"tp={tp} rank {rank}: {differ}"
+
+
+def _save_tp2(root: str) -> None:
+    from tpedu import checkpoint
+
+    torch.manual_seed(0)
+    model = TPGPT(DenseGPT(CONFIGS["llama-gqa"]))
+    opt = torch.optim.AdamW(model.parameters())
+    model(*[torch.zeros(2, 8, dtype=torch.long)] * 2).backward()
+    opt.step()
+    checkpoint.save(root, model, opt, 1)
+
+
+def _load_reading(root: str) -> tuple[set, list[str]]:
+    """(the (file, tensor) pairs this rank read, the parameters that differ from a full load)."""
+    import tpedu.checkpoint.sharded as sharded
+    from tpedu import checkpoint
+
+    reads, real = set(), sharded.safe_open
+
+    class Recording:
+        def __init__(self, path, framework):
+            self.f, self.path = real(path, framework=framework), str(path).rsplit("/", 1)[-1]
+
+        def __enter__(self):
+            self.f.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.f.__exit__(*exc)
+
+        def keys(self):
+            return self.f.keys()
+
+        def get_tensor(self, key):
+            reads.add((self.path, key))
+            return self.f.get_tensor(key)
+
+    config = CONFIGS["llama-gqa"]
+    want = TPGPT(DenseGPT(config))
+    checkpoint.load(root, want, torch.optim.AdamW(want.parameters()))
+    sharded.safe_open = Recording
+    try:
+        got = TPGPT(DenseGPT(config))
+        checkpoint.load(root, got, torch.optim.AdamW(got.parameters()))
+    finally:
+        sharded.safe_open = real
+    differ = [
+        n
+        for (n, a), (_, b) in zip(want.named_parameters(), got.named_parameters(), strict=True)
+        if not torch.equal(a, b)
+    ]
+    return reads, differ
+
+
+def test_a_checkpoint_at_the_same_tp_is_read_shard_by_shard(tmp_path):
+    """Loaded at the tp it was saved at, each rank reads its own file's tensors, and from rank
+    0's file only the replicated ones (stored once): never another rank's shard."""
+    launch(_save_tp2, 2, str(tmp_path))
+    for rank, (reads, differ) in enumerate(launch(_load_reading, 2, str(tmp_path))):
+        assert differ == []
+        foreign = {(f, k) for f, k in reads if not f.startswith(f"tp{rank}-")}
+        assert all("norm" in k or k.startswith("step/") for _, k in foreign), sorted(foreign)[:5]
+        assert any(f.startswith(f"tp{rank}-") and "qkv" in k for f, k in reads)

@@ -42,7 +42,8 @@ agree before any rank copies a tensor: nothing is half-loaded.
 
 Resharding = merge each tensor's shards into the dense tensor, split it for the new layout.
 `reshard()` does it offline in one process; `load()` does it on the fly for a live model at
-any layout.
+any layout, one tensor at a time. At the tp it was saved at, `load()` reads each rank's own
+shards straight from its own file (and the replicated tensors from tp rank 0's).
 """
 
 from __future__ import annotations
@@ -484,6 +485,38 @@ class _Reader:
             raise CheckpointError(f"{self.dir / INDEX}: field 'tensors' has no {key!r}")
         return entry
 
+    def local(
+        self,
+        key: str,
+        kind: str,
+        tp: int,
+        rank: int,
+        config: GPTConfig,
+        shape: tuple[int, ...] | None = None,
+    ) -> torch.Tensor:
+        """Rank `rank`'s shard of `key` at tensor-parallel size `tp`. Saved at the same tp and
+        kind, it is that rank's saved shard: one tensor read from one file. Otherwise it is
+        split from the merged dense tensor (memory: that one dense tensor)."""
+        entry = self.entry(key)
+        shards = entry["shards"]
+        same = [s.get("tp_rank") for s in shards] == list(range(tp))
+        if kind == "replicated" or entry["kind"] != kind or not same:
+            return split_tensor(self.dense(key, config, shape), kind, tp, rank, config)
+        if shape is not None and tuple(entry["shape"]) != tuple(shape):
+            self.dense(key, config, shape)  # raises, naming the field
+        s = shards[rank]
+        self._check(s["file"])
+        with safe_open(self.dir / s["file"], framework="pt") as f:
+            if key not in f.keys():
+                raise CheckpointError(f"{self.dir / s['file']} has no tensor {key!r}")
+            t = f.get_tensor(key)
+        if list(t.shape) != s["shape"]:
+            raise CheckpointError(
+                f"{self.dir / s['file']}: tensor {key!r} has shape {list(t.shape)}, "
+                f"{INDEX} says {s['shape']}"
+            )
+        return t
+
     def dense(
         self, key: str, config: GPTConfig, shape: tuple[int, ...] | None = None
     ) -> torch.Tensor:
@@ -552,7 +585,7 @@ def load(
             )
         for e in shard_map(chunks):
             name, p, kind = e.name, e.param, e.stored_kind
-            local = split_tensor(reader.dense(name, config, shapes[name]), kind, tp, rank, config)
+            local = reader.local(name, kind, tp, rank, config, shapes[name])
             if local.shape != p.shape:
                 raise CheckpointError(
                     f"{name}: the checkpoint gives this rank a "
@@ -563,9 +596,10 @@ def load(
             if inner is not None and id(p) in managed:
                 st = {}
                 for key in state_keys:
-                    dense = reader.dense(f"{key}/{name}", config)
-                    st[key] = (
-                        dense if dense.dim() == 0 else split_tensor(dense, kind, tp, rank, config)
+                    entry = reader.entry(f"{key}/{name}")
+                    scalar = entry["shape"] == []  # AdamW's step: stored once, replicated
+                    st[key] = reader.local(
+                        f"{key}/{name}", "replicated" if scalar else kind, tp, rank, config
                     )
                 states[p] = st
     except Exception as e:  # noqa: BLE001 - reported to every rank by _agree
