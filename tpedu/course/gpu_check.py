@@ -4,7 +4,9 @@ On a machine with CUDA GPUs this runs, in a few minutes, what the CPU test suite
 and prints one table (check, status, seconds, what was measured):
 
     one GPU, NCCL at world 1     a bf16 and an fp16 training step (losses vs fp32 on the CPU),
-                                 TP == dense on the GPU, generation, checkpoint save and load
+                                 TP == dense on the GPU, generation, checkpoint save and load,
+                                 a resumed fp16 run bit-exact (is attention's backward
+                                 deterministic?), a bad token id refused without a host sync
     two ranks on one GPU         $TPEDU_DEVICE=cuda puts every gloo rank's tensors on GPU 0:
                                  TP == dense at tp 2 over gloo's CUDA collectives; a collective
                                  gloo cannot run on CUDA tensors is reported, not hidden
@@ -22,6 +24,7 @@ Exit code 0 when every check that ran passed, 1 otherwise.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import subprocess
 import sys
@@ -38,7 +41,7 @@ from tpedu.course.troubleshoot import compare_with_dense
 from tpedu.launcher import device, launch
 from tpedu.model import TPGPT, DenseGPT, GPTConfig
 from tpedu.train.generate import generate
-from tpedu.train.loop import TrainConfig, build_model, make_optimizer, train_step
+from tpedu.train.loop import TrainConfig, build_model, make_optimizer, train, train_step
 
 U = 2.0**-8  # bf16 unit roundoff: the low-precision losses must stay within a few of it
 SMALL = GPTConfig.gpt2_like(211, seq_len=32, n_layers=2, hidden=64, n_heads=4)
@@ -86,6 +89,36 @@ def _generate_and_checkpoint(root: str) -> str:
     if not same or len(ids) != 11:
         raise AssertionError(f"generated {len(ids)} ids; checkpoint round trip equal: {same}")
     return f"{device()}: 8 tokens generated; save + load bit-exact"
+
+
+def _bad_id_is_refused() -> str:
+    """A token id outside the vocabulary must fail: a ValueError on the CPU, a device-side
+    assert on CUDA (no host sync per forward; it surfaces at the next synchronisation)."""
+    model = TPGPT(DenseGPT(SMALL)).to(device())
+    ids = torch.full((1, 4), SMALL.vocab_size, dtype=torch.long, device=device())
+    try:
+        model(ids)
+        if device().type == "cuda":
+            torch.cuda.synchronize()
+    except (ValueError, RuntimeError) as e:
+        return f"{device()}: refused ({type(e).__name__}: {str(e).splitlines()[0][:60]})"
+    raise AssertionError(f"token id {SMALL.vocab_size} of a {SMALL.vocab_size}-token model ran")
+
+
+def _resume(tmp: str, backend: str) -> str:
+    """4 fp16 steps straight vs 2, save, resume 2: the same losses, bit for bit? (On a GPU
+    this also asks whether attention's backward is deterministic.)"""
+    g = torch.Generator().manual_seed(0)
+    data = torch.randint(0, SMALL.vocab_size, (4000,), generator=g)
+    cfg = TrainConfig(steps=4, batch=4, warmup=1, eval_every=0, progress=False, dtype="fp16")
+    straight = launch(train, 1, SMALL, cfg, data, data, backend=backend)[0]["losses"]
+    saving = dataclasses.replace(cfg, ckpt_dir=tmp, save_every=2)
+    launch(train, 1, SMALL, saving, data, data, backend=backend)
+    resume = dataclasses.replace(cfg, resume=f"{tmp}/step_00000002")
+    resumed = launch(train, 1, SMALL, resume, data, data, backend=backend)[0]["losses"]
+    if resumed != straight[2:]:
+        raise AssertionError(f"resumed losses {resumed} vs straight {straight[2:]}")
+    return "fp16, save at step 2 of 4, resume: the same losses bit for bit"
 
 
 def _throughput(config: GPTConfig, batch: int, steps: int) -> dict[str, float | str]:
@@ -148,6 +181,12 @@ def run_checks(
             f"generate + checkpoint, 1 rank ({single})",
             lambda: launch(_generate_and_checkpoint, 1, tmp, backend=single)[0],
         )
+    with tempfile.TemporaryDirectory() as tmp:
+        check(f"resume bit-exact, 1 rank ({single})", lambda: _resume(tmp, single))
+    check(
+        f"bad token id refused, 1 rank ({single})",
+        lambda: launch(_bad_id_is_refused, 1, backend=single)[0],
+    )
     if on == "cuda":  # every rank's tensors on GPU 0, over gloo
         os.environ["TPEDU_DEVICE"] = "cuda"
         try:

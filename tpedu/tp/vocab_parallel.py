@@ -70,8 +70,12 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     ) -> torch.Tensor:
         start, n, _ = _shard_info(logits_shard, vocab_size, group)
         bad = ((target < 0) | (target >= vocab_size)) & (target != ignore_index)
-        # meta tensors (lesson 12's dry run) have shapes, no values to check
-        if target.device.type != "meta" and bool(bad.any()):
+        # meta tensors (lesson 12's dry run) have shapes, no values to check; on a GPU the
+        # check is a device-side assert: bool(bad.any()) would stall it every forward
+        if target.device.type == "cuda":
+            msg = f"targets must be in [0, {vocab_size}) or ignore_index={ignore_index}"
+            torch._assert_async(~bad.any(), msg)
+        elif target.device.type != "meta" and bool(bad.any()):
             raise ValueError(
                 f"targets must be in [0, {vocab_size}) or ignore_index={ignore_index}; "
                 f"found {target[bad][0].item()}"
