@@ -33,6 +33,7 @@ LAYERS = {
     "launcher": 0,
     "comm": 1,
     "tp": 2,
+    "cp": 2,
     "model": 3,
     "parallel": 4,
     "train": 5,

@@ -1,0 +1,200 @@
+"""Lessons 08–09: ring attention: causal attention over a sequence split across the CP ranks.
+
+Each of the cp ranks of a context-parallel group holds s/cp positions of q, k and v for the
+whole layer. Attention needs every earlier key, so the K/V blocks travel around the ring:
+
+    step i: rank r attends its q to the K/V block of rank (r − i) mod cp, while it already
+            sends that block on to rank r + 1 and receives the next one from rank r − 1
+
+cp − 1 sends of the local K/V per layer forward ([b, n_kv, s/cp, d] each for k and v: the ring
+carries KV heads, not the query heads GQA expands them to). The partial results of the blocks
+are merged with their log-sum-exps (the online-softmax rule):
+
+    lse = log(e^lse_a + e^lse_b),   out = e^(lse_a − lse)·out_a + e^(lse_b − lse)·out_b
+
+so no rank ever holds the [s, s] scores, only [s/cp, s/cp] blocks, one at a time. Backward runs
+the ring again: each block's dK/dV travels with it, collecting every rank's contribution, and
+arrives back at its owner after cp sends (forward: cp − 1; backward: cp − 1 for K/V, cp for
+dK/dV).
+
+Causal masking works on global positions, so it is right for any assignment of positions to
+ranks. `chunk_positions` gives two: contiguous (rank r holds [r·s/cp, (r+1)·s/cp): the last rank
+does cp times the work of the first) and zig-zag (rank r holds chunks r and 2·cp − 1 − r of
+2·cp: every rank the same work). A block whose keys all come after the queries is skipped.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tpedu.comm import collectives
+from tpedu.tp.sharding import divisors
+
+LAYOUTS = ("contiguous", "zigzag")
+
+
+def check_cp_length(s: int, cp: int, layout: str) -> None:
+    """Raise a ValueError naming the valid lengths if `s` cannot be split over `cp` ranks."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    parts = 2 * cp if layout == "zigzag" else cp
+    if s % parts:
+        raise ValueError(
+            f"sequence length {s} is not divisible by {parts} ({'2·' if layout == 'zigzag' else ''}"
+            f"cp = {parts}); use a multiple of {parts}: {parts}, {2 * parts}, {3 * parts}, ..."
+            + (f" (or cp in {divisors(s)} for a contiguous split)" if layout == "zigzag" else "")
+        )
+
+
+def chunk_positions(s: int, cp: int, rank: int, layout: str = "zigzag") -> torch.Tensor:
+    """The global positions [s/cp] that CP rank `rank` holds, in its local order."""
+    check_cp_length(s, cp, layout)
+    if layout == "contiguous":
+        n = s // cp
+        return torch.arange(rank * n, (rank + 1) * n)
+    n = s // (2 * cp)
+    first, second = rank, 2 * cp - 1 - rank
+    return torch.cat(
+        [torch.arange(first * n, (first + 1) * n), torch.arange(second * n, (second + 1) * n)]
+    )
+
+
+def split_sequence(
+    x: torch.Tensor, cp: int, rank: int, layout: str = "zigzag", dim: int = 2
+) -> torch.Tensor:
+    """This rank's positions of `x` along `dim` (a copy)."""
+    return x.index_select(dim, chunk_positions(x.shape[dim], cp, rank, layout).to(x.device))
+
+
+def _block(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scale: float):
+    """Scores of q [b, hq, sq, d] against k [b, hq, sk, d] with `mask` [sq, sk] (True = keep)."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return scores
+
+
+def _expand(kv: torch.Tensor, groups: int) -> torch.Tensor:
+    """KV heads [b, nkv, s, d] -> query heads [b, nkv·groups, s, d] (GQA: head j uses j // g)."""
+    return kv if groups == 1 else kv.repeat_interleave(groups, dim=1)
+
+
+def _fold(g: torch.Tensor, groups: int) -> torch.Tensor:
+    """The gradient w.r.t. expanded KV heads, summed back onto the KV heads (_expand's adjoint)."""
+    if groups == 1:
+        return g
+    b, h, s, d = g.shape
+    return g.view(b, h // groups, groups, s, d).sum(2)
+
+
+class _Ring:
+    """Passes tensors to the next rank of the group and takes the previous rank's, async."""
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        ranks = (
+            dist.get_process_group_ranks(group)
+            if group is not None
+            else list(range(dist.get_world_size()))
+        )
+        me = ranks.index(dist.get_rank())
+        self.group, self.cp = group, len(ranks)
+        self.next, self.prev = ranks[(me + 1) % self.cp], ranks[(me - 1) % self.cp]
+
+    def start(self, tensors: list[torch.Tensor]) -> tuple[list, list[torch.Tensor]]:
+        bufs = [torch.empty_like(t) for t in tensors]
+        works = [collectives.isend(t.contiguous(), self.next, self.group) for t in tensors]
+        works += [collectives.irecv(b, self.prev, self.group) for b in bufs]
+        return works, bufs
+
+
+class RingAttention(torch.autograd.Function):
+    """Causal attention of this rank's queries over the whole ring's keys and values.
+
+    q [b, nq, s/cp, d], k and v [b, nkv, s/cp, d] (this rank's positions, `positions[rank]`),
+    positions [cp, s/cp] (every rank's global positions, the same on every rank) -> [b, nq, s/cp, d].
+    Forward: cp − 1 sends/receives of (k, v). Backward: cp − 1 of (k, v) and cp of (dk, dv).
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor,
+        group: dist.ProcessGroup | None,
+    ) -> torch.Tensor:
+        ring = _Ring(group)
+        rank = dist.get_rank(group) if group is not None else dist.get_rank()
+        groups, scale = q.shape[1] // k.shape[1], 1.0 / math.sqrt(q.shape[-1])
+        pos = positions.to(q.device)
+        out = torch.zeros_like(q)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
+        kv = [k, v]
+        for i in range(ring.cp):
+            owner = (rank - i) % ring.cp
+            works, nxt = ring.start(kv) if i < ring.cp - 1 else ([], None)
+            mask = pos[rank][:, None] >= pos[owner][None, :]
+            if mask.any():  # a block entirely in the queries' future adds nothing
+                scores = _block(q, _expand(kv[0], groups), mask, scale)
+                lse_b = torch.logsumexp(scores, dim=-1)
+                safe = torch.where(torch.isinf(lse_b), 0.0, lse_b)  # rows with no key here
+                out_b = torch.matmul(torch.exp(scores - safe[..., None]), _expand(kv[1], groups))
+                new = torch.logaddexp(lse, lse_b)
+                new_safe = torch.where(torch.isinf(new), 0.0, new)
+                out = (
+                    out * torch.exp(lse - new_safe)[..., None]
+                    + out_b * torch.exp(lse_b - new_safe)[..., None]
+                )
+                lse = new
+            for w in works:
+                w.wait()
+            kv = nxt if nxt is not None else kv
+        ctx.save_for_backward(q, k, v, out, lse, pos)
+        ctx.group = group
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, out, lse, pos = ctx.saved_tensors
+        ring = _Ring(ctx.group)
+        rank = dist.get_rank(ctx.group) if ctx.group is not None else dist.get_rank()
+        groups, scale = q.shape[1] // k.shape[1], 1.0 / math.sqrt(q.shape[-1])
+        delta = (grad_out * out).sum(-1, keepdim=True)  # D = rowsum(dO ∘ O)
+        dq = torch.zeros_like(q)
+        kv, dkv = [k, v], [torch.zeros_like(k), torch.zeros_like(v)]  # of one owner's block
+        for i in range(ring.cp):
+            owner = (rank - i) % ring.cp
+            # k and v do not change here: they are on their way on while this block computes
+            works, next_kv = ring.start(kv) if i < ring.cp - 1 else ([], kv)
+            mask = pos[rank][:, None] >= pos[owner][None, :]
+            if mask.any():
+                kx, vx = _expand(kv[0], groups), _expand(kv[1], groups)
+                p = torch.exp(_block(q, kx, mask, scale) - lse[..., None])  # the softmax block
+                dv = torch.matmul(p.transpose(-1, -2), grad_out)
+                ds = p * (torch.matmul(grad_out, vx.transpose(-1, -2)) - delta)
+                dq = dq + torch.matmul(ds, kx) * scale
+                dk = torch.matmul(ds.transpose(-1, -2), q) * scale
+                dkv = [dkv[0] + _fold(dk, groups), dkv[1] + _fold(dv, groups)]
+            if ring.cp > 1:  # dk, dv follow their block; after cp passes they are home
+                more, dkv = ring.start(dkv)
+                works += more
+            for w in works:
+                w.wait()
+            kv = next_kv
+        return dq, dkv[0], dkv[1], None, None
+
+
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
+    """Causal attention with the sequence split over the ranks of `group` (see RingAttention)."""
+    return RingAttention.apply(q, k, v, positions, group)
