@@ -1,4 +1,4 @@
-"""Ring attention (tpedu.cp.ring) == dense causal attention, forward and backward, at cp 1, 2, 3,
+"""Ring attention (tpedu.cp.ring) and Ulysses (tpedu.cp.ulysses) == dense causal attention, forward and backward, at cp 1, 2, 3,
 4, contiguous and zig-zag, MHA and GQA, in float64 (the same arithmetic up to summation order:
 ~1e-15 relative, 1e-12 asserted) and float32 (each block's softmax and the merge add rounding
 of order 1e-7 per block; 1e-5 asserted)."""
@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from tpedu import launch
 from tpedu.comm.tracer import CommTracer
 from tpedu.cp.ring import check_cp_length, chunk_positions, ring_attention, split_sequence
+from tpedu.cp.ulysses import ulysses_attention
 
 
 def _dense(q, k, v):
@@ -21,7 +22,7 @@ def _dense(q, k, v):
     return F.scaled_dot_product_attention(q, kx, vx, is_causal=True)
 
 
-def _ring_vs_dense(nq: int, nkv: int, s: int, layout: str, dtype: torch.dtype):
+def _ring_vs_dense(nq: int, nkv: int, s: int, layout: str, dtype: torch.dtype, attention=None):
     cp, rank = dist.get_world_size(), dist.get_rank()
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, n, s, 8, generator=g, dtype=dtype) for n in (nq, nkv, nkv))
@@ -33,7 +34,7 @@ def _ring_vs_dense(nq: int, nkv: int, s: int, layout: str, dtype: torch.dtype):
     positions = torch.stack([chunk_positions(s, cp, r, layout) for r in range(cp)])
     mine = [split_sequence(t.detach(), cp, rank, layout).requires_grad_() for t in (q, k, v)]
     with CommTracer() as trace:
-        got = ring_attention(*mine, positions)
+        got = (attention or ring_attention)(*mine, positions)
         got.backward(split_sequence(dout, cp, rank, layout))
     diffs = {
         "out": (got - split_sequence(want.detach(), cp, rank, layout)).abs().max().item(),
@@ -80,3 +81,19 @@ def test_positions_and_lengths():
     assert chunk_positions(8, 2, 1, "contiguous").tolist() == [4, 5, 6, 7]
     with pytest.raises(ValueError, match=r"sequence length 12 is not divisible by 8 .*8, 16, 24"):
         check_cp_length(12, 4, "zigzag")
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize(("nq", "nkv"), [(4, 4), (4, 2)], ids=["mha", "gqa"])
+def test_ulysses_equals_dense_causal_attention(cp, layout, nq, nkv):
+    if nkv % cp:
+        with pytest.raises(Exception, match=r"Ulysses needs cp to divide the KV heads"):
+            launch(_ring_vs_dense, cp, nq, nkv, 16, layout, torch.float64, ulysses_attention)
+        return
+    runs = launch(_ring_vs_dense, cp, nq, nkv, 16, layout, torch.float64, ulysses_attention)
+    for rank, (diffs, summary) in enumerate(runs):
+        assert max(diffs.values()) < 1e-12, f"cp={cp} {layout} rank {rank}: {diffs}"
+        if cp > 1:  # q, k, v and out forward; their gradients backward
+            assert summary[("world", "all_to_all", "forward")][0] == 4
+            assert summary[("world", "all_to_all", "backward")][0] == 4
