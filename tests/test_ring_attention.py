@@ -97,3 +97,27 @@ def test_ulysses_equals_dense_causal_attention(cp, layout, nq, nkv):
         if cp > 1:  # q, k, v and out forward; their gradients backward
             assert summary[("world", "all_to_all", "forward")][0] == 4
             assert summary[("world", "all_to_all", "backward")][0] == 4
+
+
+def _saved_bytes(s: int) -> int:
+    from tpedu.analysis.activation_memory import SavedTensorCounter
+
+    cp = dist.get_world_size()
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 4, s // cp, 8, generator=g, requires_grad=True) for _ in range(3))
+    positions = torch.stack([chunk_positions(s, cp, r) for r in range(cp)])
+    with SavedTensorCounter() as counter:
+        out = ring_attention(q, k, v, positions)
+    out.sum().backward()
+    return counter.total
+
+
+def test_what_the_ring_saves_for_backward_shrinks_as_s_over_cp():
+    """q, k, v, out [b, h, s/cp, d] and the log-sum-exp [b, h, s/cp]: 4·b·h·(s/cp)·d + b·h·s/cp
+    values (+ the [cp, s/cp] positions), never an [s, s] block: doubling cp halves it."""
+    s, b, h, d = 64, 1, 4, 8
+    for cp in (2, 4):
+        saved = launch(_saved_bytes, cp, s)
+        n = s // cp
+        want = 4 * (4 * b * h * n * d + b * h * n) + 8 * cp * n  # float32 values, int64 positions
+        assert saved == [want] * cp, (cp, saved, want)
