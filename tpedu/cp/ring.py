@@ -105,7 +105,7 @@ class _Ring:
         self.next, self.prev = ranks[(me + 1) % self.cp], ranks[(me - 1) % self.cp]
 
     def start(self, tensors: list[torch.Tensor]) -> tuple[list, list[torch.Tensor]]:
-        bufs = [torch.empty_like(t) for t in tensors]
+        bufs = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]
         works = [collectives.isend(t.contiguous(), self.next, self.group) for t in tensors]
         works += [collectives.irecv(b, self.prev, self.group) for b in bufs]
         return works, bufs

@@ -105,11 +105,15 @@ class DenseGPT(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
 
 
-def _embed(model: nn.Module, ids: torch.Tensor, step: int) -> torch.Tensor:
-    """Token embeddings (+ learned positions) -> dropout: [b, s] -> [b, s, H]."""
+def _embed(
+    model: nn.Module, ids: torch.Tensor, step: int, positions: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Token embeddings (+ learned positions, `positions` [s] or 0 .. s-1) -> dropout:
+    [b, s] -> [b, s, H]."""
     x = model.tok_emb(ids)
     if model.pos_emb is not None:
-        x = x + model.pos_emb(torch.arange(ids.shape[1], device=ids.device))
+        at = torch.arange(ids.shape[1]) if positions is None else positions
+        x = x + model.pos_emb(at.to(ids.device))
     seed = derive_seed(model.config.seed, EMBEDDING_DROPOUT_SITE, step)
     return index_dropout(x, model.config.dropout, seed, training=model.training)
 

@@ -19,6 +19,11 @@ TP regions every rank keeps only its s/t positions; each all-reduce becomes a re
 sums the gradients of the replicated parameters that saw only a sequence shard. `recompute`
 (lesson 09): "selective" recomputes the attention core in backward, "full" the whole block from
 its input. `overlap_comm` (lesson 14): f's backward all-reduce runs while dL/dW is computed.
+`cp_group` (context parallelism, tpedu.cp): each CP rank feeds its positions of the sequence
+(`cp_layout`: zig-zag or contiguous, `tpedu.cp.ring.split_sequence`), learned positions and
+RoPE use the global positions, attention is ring or Ulysses attention (`cp_strategy`) over the
+CP group, the loss is the mean over the whole sequence (2 small all-reduces over CP), and
+`sync_grads()` sums every gradient over CP (each rank saw only its positions).
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from tpedu.comm import collectives, tracer
+from tpedu.cp.ring import LAYOUTS, chunk_positions, ring_attention
+from tpedu.cp.ulysses import check_ulysses_heads, ulysses_attention
 from tpedu.model.config import RECOMPUTE, GPTConfig
 from tpedu.model.dense import (
     ATTENTION_OUTPUT_DROPOUT_SITE,
@@ -81,6 +88,25 @@ def _embed_sequence_parallel(model: TPGPT, ids: torch.Tensor, step: int) -> torc
     return sequence_dropout(x, model.config.dropout, seed, model.group, model.training)
 
 
+def _check_context_parallel(
+    config: GPTConfig, sequence_parallel: bool, strategy: str, layout: str, tp: int, cp: int
+) -> None:
+    """What context parallelism refuses, before any forward."""
+    if strategy not in ("ring", "ulysses"):
+        raise ValueError(f"cp_strategy must be 'ring' or 'ulysses', got {strategy!r}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"cp_layout must be one of {LAYOUTS}, got {layout!r}")
+    if config.dropout > 0:
+        raise ValueError(
+            "context parallelism with dropout > 0 is not supported: the masks are drawn from "
+            "each element's index in the local sequence; use dropout = 0 with cp > 1"
+        )
+    if sequence_parallel:
+        raise ValueError("context parallelism with sequence parallelism is not supported yet")
+    if strategy == "ulysses":
+        check_ulysses_heads(config.n_heads // tp, max(1, config.kv_heads // tp), cp)
+
+
 class TPBlock(nn.Module):
     """DenseBlock sharded over the TP group: norms replicated, attention and MLP split.
 
@@ -125,14 +151,18 @@ class TPBlock(nn.Module):
                 ]
             )
 
-    def forward(self, x: torch.Tensor, step: int = 0) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, step: int = 0, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
         if self.recompute == "full" and torch.is_grad_enabled():
             # Keeps only x; backward reruns the block (its collectives and dropout masks too).
-            return checkpoint(self._forward, x, step, use_reentrant=False)
-        return self._forward(x, step)
+            return checkpoint(self._forward, x, step, positions, use_reentrant=False)
+        return self._forward(x, step, positions)
 
-    def _forward(self, x: torch.Tensor, step: int) -> torch.Tensor:
-        a = self.attn(self.norm1(x), step)  # 1 all-reduce forward, 1 backward (SP: AG + RS)
+    def _forward(
+        self, x: torch.Tensor, step: int, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        a = self.attn(self.norm1(x), step, positions)  # 1 all-reduce fwd, 1 bwd (SP: AG + RS)
         seed = derive_seed(self.seed, ATTENTION_OUTPUT_DROPOUT_SITE, step)
         if self.sequence_parallel:  # this rank's slice of the dense mask
             x = x + sequence_dropout(a, self.p, seed, self.group, self.training)
@@ -167,6 +197,9 @@ class TPGPT(nn.Module):
         sequence_parallel: bool = False,
         recompute: str = "none",
         overlap_comm: bool = False,
+        cp_group: dist.ProcessGroup | None = None,
+        cp_strategy: str = "ring",
+        cp_layout: str = "zigzag",
     ) -> None:
         super().__init__()
         config = dense.config
@@ -176,6 +209,12 @@ class TPGPT(nn.Module):
         config.check(self.tp)
         if sequence_parallel:  # the batch's own s is checked again at run time
             check_sequence_length(config.seq_len, self.tp)
+        self.cp_group, self.cp_layout = cp_group, cp_layout
+        self.cp = dist.get_world_size(cp_group) if cp_group is not None else 1
+        if self.cp > 1:
+            _check_context_parallel(
+                config, sequence_parallel, cp_strategy, cp_layout, self.tp, self.cp
+            )
         layers = range(config.n_layers) if layers is None else layers
         if not (0 <= layers.start <= layers.stop <= config.n_layers and layers.step == 1):
             raise ValueError(
@@ -203,6 +242,10 @@ class TPGPT(nn.Module):
         if sequence_parallel:  # replicated, but each rank feeds them its positions only
             for m in (self.pos_emb, self.norm_f):
                 mark_sequence_parallel(m.parameters() if m is not None else [])
+        if self.cp > 1:
+            attention = ring_attention if cp_strategy == "ring" else ulysses_attention
+            for block in self.blocks:
+                block.attn.cp_group, block.attn.cp_attention = cp_group, attention
         self._copies = self._count_copies()
 
     @classmethod
@@ -224,12 +267,17 @@ class TPGPT(nn.Module):
     ) -> torch.Tensor:
         """ids [b, s] (first stage) or hidden [b, s, H] -> logits / loss (last) or hidden."""
         sp = self.sequence_parallel
+        positions = self._cp_positions(inputs.shape[1]) if self.cp > 1 else None
         if self.first:  # vocab-parallel: 1 all-reduce (SP: 1 reduce-scatter)
-            x = _embed_sequence_parallel(self, inputs, step) if sp else _embed(self, inputs, step)
+            if sp:
+                x = _embed_sequence_parallel(self, inputs, step)
+            else:
+                mine = None if positions is None else positions[dist.get_rank(self.cp_group)]
+                x = _embed(self, inputs, step, mine)
         else:
             x = inputs
         for block in self.blocks:
-            x = block(x, step)
+            x = block(x, step, positions)
         if not self.last:
             return x
         h = self.norm_f(x)
@@ -240,7 +288,12 @@ class TPGPT(nn.Module):
             logits = F.linear(h, head.weight)
             if targets is None:
                 return logits
-            return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
+            if self.cp == 1:
+                return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
+            losses = F.cross_entropy(
+                logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE, reduction="none"
+            )
+            return self._mean(losses, targets)
         # f: the head is column-parallel over the vocabulary, so dL/dh is all-reduced in backward
         # (SP: all-gathered along the sequence in forward, reduce-scattered in backward).
         if sp:
@@ -258,7 +311,27 @@ class TPGPT(nn.Module):
         losses = vocab_parallel_cross_entropy(
             logits, targets, self.config.vocab_size, self.group, IGNORE, inplace=True
         )
-        return losses.sum() / (targets != IGNORE).sum().clamp_min(1)
+        return self._mean(losses, targets)
+
+    def _mean(self, losses: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The mean loss over the counted tokens of the whole sequence. With context
+        parallelism 2 all-reduces over the CP group (the sum and the count): the value is the
+        global mean on every rank, the gradient flows through this rank's tokens only (the
+        parameters' gradients are then summed over CP in sync_grads)."""
+        count = (targets != IGNORE).sum()
+        if self.cp == 1:
+            return losses.sum() / count.clamp_min(1)
+        count = collectives.all_reduce(count.clone(), self.cp_group).clamp_min(1)
+        mine = losses.sum() / count
+        total = collectives.all_reduce(mine.detach().clone(), self.cp_group)
+        return mine + (total - mine).detach()
+
+    def _cp_positions(self, s_local: int) -> torch.Tensor:
+        """[cp, s/cp]: every CP rank's global positions for a sequence of s_local · cp."""
+        cp = self.cp
+        return torch.stack(
+            [chunk_positions(s_local * cp, cp, r, self.cp_layout) for r in range(cp)]
+        )
 
     def full_logits(self, ids: torch.Tensor) -> torch.Tensor:
         """Logits over the whole vocabulary [b, s, V] on every rank (gathers if vocab-parallel)."""
@@ -308,6 +381,11 @@ class TPGPT(nn.Module):
         """
         for block in self.blocks:
             block.attn.all_reduce_replicated_kv_grads()
+        if self.cp > 1:  # each CP rank's gradients cover its positions only: sum them
+            with tracer.phase("grad_sync"):
+                for p in self.parameters():
+                    if p.grad is not None:
+                        collectives.all_reduce(p.grad, self.cp_group)
         if self.sequence_parallel and sequence_parallel_grads:
             with tracer.phase("grad_sync"):
                 all_reduce_sequence_parallel_grads(sequence_parallel_params(self), self.group)

@@ -154,6 +154,7 @@ class ParallelAttention(nn.Module):
         self.fused = fused  # tpedu.tp.dense.attend: flash attention unless a dropout mask is drawn
         self.async_grad_all_reduce = False  # True: overlap f's backward all-reduce (lesson 14)
         self.sequence_parallel, self.recompute_core = sequence_parallel, recompute_core
+        self.cp_group, self.cp_attention = None, None  # set by TPGPT with context parallelism
         self.rope_theta = rope_theta  # RoPE rotates each head on its own: no communication
         self.group = group
         self.tp, self.rank = dist.get_world_size(group), dist.get_rank(group)
@@ -215,10 +216,14 @@ class ParallelAttention(nn.Module):
         rows[len(self.q_heads) * self.head_dim :] = self.kv_replicas
         return rows
 
-    def forward(self, x: torch.Tensor, step: int = 0) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, step: int = 0, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """x [b, s, H] -> [b, s, H] (sequence_parallel: [b, s/t, H] -> [b, s/t, H]).
 
-        `step` selects this step's dropout mask.
+        `step` selects this step's dropout mask. `positions` [cp, s] (context parallelism: every
+        CP rank's global positions, the same on all; x holds this rank's): RoPE at the global
+        positions, and the core is `self.cp_attention` over `self.cp_group` (tpedu.cp).
         """
         nq, nkv, d = len(self.q_heads), len(self.kv_heads), self.head_dim
         if self.sequence_parallel:  # all-gather the sequence; backward: reduce-scatter
@@ -236,8 +241,12 @@ class ParallelAttention(nn.Module):
         q = q.view(b, s, nq, d).transpose(1, 2)  # [b, nq/t, s, d]
         k = k.view(b, s, nkv, d).transpose(1, 2)
         v = v.view(b, s, nkv, d).transpose(1, 2)
+        mine = None if positions is None else positions[dist.get_rank(self.cp_group)]
         if self.rope_theta is not None:
-            q, k = apply_rope(q, self.rope_theta), apply_rope(k, self.rope_theta)
+            q, k = apply_rope(q, self.rope_theta, mine), apply_rope(k, self.rope_theta, mine)
+        if positions is not None:  # context parallel: the core spans every CP rank's positions
+            out = self.cp_attention(q, k, v, positions, self.cp_group)
+            return self.out_proj(out.transpose(1, 2).reshape(b, s, nq * d))
         if self.recompute_core and torch.is_grad_enabled():
             # Saves q, k, v only; the recomputation redraws the same index_dropout mask.
             out = checkpoint(self._core, q, k, v, step, use_reentrant=False)

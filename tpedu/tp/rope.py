@@ -12,20 +12,30 @@ import torch
 
 
 def rope_angles(
-    seq: int, head_dim: int, theta: float, device: torch.device | str = "cpu"
+    seq: int,
+    head_dim: int,
+    theta: float,
+    device: torch.device | str = "cpu",
+    positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Angles [seq, head_dim/2]: position p, frequency i -> p · theta^(-2i/head_dim)."""
+    """Angles [seq, head_dim/2]: position p, frequency i -> p · theta^(-2i/head_dim).
+    `positions` [seq]: the global positions (context parallelism), else 0 .. seq-1."""
     if head_dim % 2:
         raise ValueError(f"RoPE needs an even head dimension, got {head_dim}")
     inv_freq = theta ** (
         -torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim
     )
-    return torch.outer(torch.arange(seq, dtype=torch.float64, device=device), inv_freq)
+    if positions is None:
+        positions = torch.arange(seq, device=device)
+    return torch.outer(positions.to(device=device, dtype=torch.float64), inv_freq)
 
 
-def apply_rope(x: torch.Tensor, theta: float = 10000.0) -> torch.Tensor:
-    """x [b, heads, s, d] (queries or keys) -> the same shape, rotated by position."""
-    angles = rope_angles(x.shape[-2], x.shape[-1], theta, x.device)
+def apply_rope(
+    x: torch.Tensor, theta: float = 10000.0, positions: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [b, heads, s, d] (queries or keys) -> the same shape, rotated by position
+    (`positions` [s]: each row's global position; default 0 .. s-1)."""
+    angles = rope_angles(x.shape[-2], x.shape[-1], theta, x.device, positions)
     cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
