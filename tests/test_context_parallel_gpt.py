@@ -5,6 +5,8 @@ over the whole sequence on every rank."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -84,3 +86,54 @@ def _refused(**kw):
 def test_dropout_with_context_parallelism_is_refused():
     with pytest.raises(Exception, match="context parallelism with dropout > 0 is not supported"):
         launch(_refused, 2)
+
+
+def _data():
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(0, 37, (600,), generator=g), torch.randint(0, 37, (200,), generator=g)
+
+
+def _f64_train(*args, **kwargs):
+    from tpedu.train.loop import train
+
+    torch.set_default_dtype(torch.float64)
+    return train(*args, **kwargs)
+
+
+def test_training_with_context_parallelism_equals_one_process(tmp_path):
+    """train() at cp 2 (zig-zag) and cp 2 × tp 2 (contiguous): the same losses and
+    gradient norms as one process, step by step (float64); the checkpoint it writes (CP rank
+    0 only, like a DP replica) resumes in one process with the straight run's losses."""
+    from tpedu.parallel.config import ParallelConfig
+    from tpedu.train.loop import TrainConfig
+
+    config = CONFIGS["llama"]
+    cfg = TrainConfig(
+        steps=4, batch=4, lr=1e-2, warmup=1, eval_every=1, eval_batches=1, progress=False
+    )
+    tr, va = _data()
+    ref = launch(_f64_train, 1, config, cfg, tr, va)[0]
+    for parallel in (ParallelConfig(cp=2), ParallelConfig(tp=2, cp=2, cp_layout="contiguous")):
+        saving = dataclasses.replace(cfg, ckpt_dir=str(tmp_path / f"ck{parallel.tp}"), save_every=2)
+        got = launch(_f64_train, parallel.world, config, saving, tr, va, parallel=parallel)[0]
+        assert got["losses"] == pytest.approx(ref["losses"], rel=1e-10), parallel
+        for h, r in zip(got["history"], ref["history"], strict=True):
+            assert h["grad_norm"] == pytest.approx(r["grad_norm"], rel=1e-10)
+            assert h["val_loss"] == pytest.approx(r["val_loss"], rel=1e-10)
+        step2 = tmp_path / f"ck{parallel.tp}" / "step_00000002"
+        files = sorted(p.name for p in step2.glob("*.safetensors"))
+        assert files == [f"tp{t}-pp0-dp0.safetensors" for t in range(parallel.tp)]
+        resume = dataclasses.replace(cfg, resume=str(step2))
+        again = launch(_f64_train, 1, config, resume, tr, va)[0]
+        assert again["losses"] == pytest.approx(ref["losses"][2:], rel=1e-10)
+
+
+def test_parallel_config_refuses_what_cp_cannot_run_yet():
+    from tpedu.parallel.config import ParallelConfig
+
+    with pytest.raises(ValueError, match="cp = 2 runs with tensor parallelism only for now"):
+        ParallelConfig(cp=2, pp=2)
+    with pytest.raises(ValueError, match="sequence length 12 is not divisible by 8"):
+        ParallelConfig(cp=4).check(dataclasses.replace(CONFIGS["gpt2"], seq_len=12))
+    with pytest.raises(ValueError, match="dropout > 0 is not supported"):
+        ParallelConfig(cp=2).check(dataclasses.replace(CONFIGS["gpt2"], dropout=0.1))

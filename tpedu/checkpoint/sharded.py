@@ -280,7 +280,10 @@ def save(
     chunks = [model] if isinstance(model, nn.Module) else list(model)
     config = chunks[0].config
     if mesh is None:
-        coords = (dist.get_rank(chunks[0].group), 0, 0)
+        # CP ranks hold the same shards, as DP replicas do: only CP rank 0 writes them
+        cp = getattr(chunks[0], "cp", 1)
+        cp_rank = dist.get_rank(chunks[0].cp_group) if cp > 1 else 0
+        coords = (dist.get_rank(chunks[0].group), 0, cp_rank)
         layout = (dist.get_world_size(chunks[0].group), 1, 1)
     else:
         coords = (mesh.tp_rank, mesh.pp_rank, mesh.dp_rank)

@@ -50,10 +50,10 @@ def check_ranks(args: argparse.Namespace) -> None:
     n = ranks(args)
     if n < 1:
         fail(f"{flag} must be at least 1, got {n}")
-    for name in ("pp", "dp"):  # train's 3D layout: tp·pp·dp ranks
+    for name in ("pp", "dp", "cp"):  # train's layout: tp·cp·pp·dp ranks
         if getattr(args, name, 1) < 1:
             fail(f"--{name} must be at least 1, got {getattr(args, name)}")
-    others = getattr(args, "pp", 1) * getattr(args, "dp", 1)
+    others = getattr(args, "pp", 1) * getattr(args, "dp", 1) * getattr(args, "cp", 1)
     if args.backend == "nccl":  # one GPU per rank on this machine
         gpus = torch.cuda.device_count()
         here = (
@@ -70,7 +70,9 @@ def check_ranks(args: argparse.Namespace) -> None:
         world = int(os.environ["WORLD_SIZE"])
         if flag == "--tp" and others > 1 and n * others != world:
             fail(
-                f"--tp {n} × --pp {args.pp} × --dp {args.dp} = {n * others} ranks does not "
+                f"--tp {n} × --pp {args.pp} × --dp {args.dp}"
+                + (f" × --cp {args.cp}" if getattr(args, "cp", 1) > 1 else "")
+                + f" = {n * others} ranks does not "
                 f"match torchrun's world size {world}; choose tp·pp·dp = {world} or start "
                 f"{n * others} processes"
             )
@@ -268,6 +270,9 @@ def parallel_config(args: argparse.Namespace) -> ParallelConfig:
             recompute=args.recompute,
             overlap_comm=args.overlap_comm,
             zero=int(args.zero1),
+            cp=args.cp,
+            cp_strategy=args.cp_strategy,
+            cp_layout=args.cp_layout,
         )
     except ValueError as e:
         fail(str(e))

@@ -182,6 +182,11 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
 
 def _layout_flags(p: argparse.ArgumentParser) -> None:
     """How the model runs, beside --tp: every ParallelConfig field (train, dryrun)."""
+    p.add_argument(
+        "--cp", type=int, default=1, help="context-parallel ranks: the sequence split (tp only)"
+    )
+    p.add_argument("--cp-strategy", choices=["ring", "ulysses"], default="ring")
+    p.add_argument("--cp-layout", choices=["zigzag", "contiguous"], default="zigzag")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages (lesson 10)")
     p.add_argument("--dp", type=int, default=1, help="data-parallel replicas (lesson 11)")
     p.add_argument(

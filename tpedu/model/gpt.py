@@ -37,7 +37,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from tpedu.comm import collectives, tracer
-from tpedu.cp.ring import LAYOUTS, chunk_positions, ring_attention
+from tpedu.cp.ring import LAYOUTS, chunk_positions, ring_attention, split_sequence
 from tpedu.cp.ulysses import check_ulysses_heads, ulysses_attention
 from tpedu.model.config import RECOMPUTE, GPTConfig
 from tpedu.model.dense import (
@@ -325,6 +325,12 @@ class TPGPT(nn.Module):
         mine = losses.sum() / count
         total = collectives.all_reduce(mine.detach().clone(), self.cp_group)
         return mine + (total - mine).detach()
+
+    def local_sequence(self, t: torch.Tensor) -> torch.Tensor:
+        """This CP rank's positions of ids or targets [b, s] -> [b, s/cp] (cp = 1: t itself)."""
+        if self.cp == 1:
+            return t
+        return split_sequence(t, self.cp, dist.get_rank(self.cp_group), self.cp_layout, dim=1)
 
     def _cp_positions(self, s_local: int) -> torch.Tensor:
         """[cp, s/cp]: every CP rank's global positions for a sequence of s_local · cp."""

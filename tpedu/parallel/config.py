@@ -13,6 +13,9 @@ under any other (lesson 13):
     recompute           "none", "selective" (attention core) or "full" (whole block) (lesson 09)
     overlap_comm        f's backward all-reduce overlapped with dL/dW (lesson 14)
     zero                0, or 1: AdamW's states sharded over the DP ranks (lesson 11)
+    cp, cp_strategy     context parallelism: the sequence split over cp ranks for the whole
+    cp_layout           layer, "ring" or "ulysses" attention, "zigzag" or "contiguous" split
+                        (tpedu.cp; for now with tp only: pp = dp = 1). Ranks: tp fastest, then cp
 
 `model_options()` is what `TPGPT` takes of it: the model layer does not import this one.
 """
@@ -21,6 +24,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
+from tpedu.cp.ring import LAYOUTS, check_cp_length
+from tpedu.cp.ulysses import check_ulysses_heads
 from tpedu.model.config import RECOMPUTE, GPTConfig
 from tpedu.parallel.mesh import Layout
 from tpedu.parallel.pipeline.schedules import partition, schedule
@@ -29,6 +34,7 @@ from tpedu.tp.sequence_parallel import check_sequence_length
 SCHEDULES = ("1f1b", "gpipe", "interleaved")
 STAGE_SPLITS = ("even", "flops")
 ZERO_LEVELS = (0, 1)
+CP_STRATEGIES = ("ring", "ulysses")
 
 
 @dataclass(frozen=True)
@@ -47,6 +53,9 @@ class ParallelConfig:
     recompute: str = "none"
     overlap_comm: bool = False
     zero: int = 0
+    cp: int = 1
+    cp_strategy: str = "ring"
+    cp_layout: str = "zigzag"
 
     def __post_init__(self) -> None:
         Layout(self.tp, self.pp, self.dp)  # positive integers
@@ -55,9 +64,18 @@ class ParallelConfig:
             ("stage_split", STAGE_SPLITS),
             ("recompute", RECOMPUTE),
             ("zero", ZERO_LEVELS),
+            ("cp_strategy", CP_STRATEGIES),
+            ("cp_layout", LAYOUTS),
         ):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
+        if not isinstance(self.cp, int) or self.cp < 1:
+            raise ValueError(f"cp must be a positive integer, got {self.cp!r}")
+        if self.cp > 1 and (self.pp, self.dp, self.zero, self.chunks) != (1, 1, 0, 1):
+            raise ValueError(
+                f"cp = {self.cp} runs with tensor parallelism only for now: use pp = dp = 1, "
+                "no ZeRO (or cp = 1 with those)"
+            )
         if self.micro_batches is not None and self.micro_batches < 1:
             raise ValueError(f"micro_batches must be at least 1, got {self.micro_batches}")
         schedule(self.schedule, self.micro_batches or self.pp, self.pp, 0, self.chunks)
@@ -68,7 +86,7 @@ class ParallelConfig:
 
     @property
     def world(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
 
     @property
     def tp_only(self) -> bool:
@@ -76,11 +94,14 @@ class ParallelConfig:
         return (self.pp, self.dp, self.chunks, self.zero) == (1, 1, 1, 0) and not self.micro_batches
 
     def model_options(self) -> dict[str, object]:
-        """TPGPT's keyword arguments: what of this config the model itself needs."""
+        """TPGPT's keyword arguments: what of this config the model itself needs (with cp > 1
+        the caller adds the CP group, `cp_group`)."""
+        cp = {"cp_strategy": self.cp_strategy, "cp_layout": self.cp_layout} if self.cp > 1 else {}
         return {
             "sequence_parallel": self.sequence_parallel,
             "recompute": self.recompute,
             "overlap_comm": self.overlap_comm,
+            **cp,
         }
 
     def check(self, config: GPTConfig) -> None:
@@ -89,6 +110,16 @@ class ParallelConfig:
         partition(config.n_layers, self.pp * self.chunks)
         if self.sequence_parallel:  # the batch's own s is checked again at run time
             check_sequence_length(config.seq_len, self.tp)
+        if self.cp > 1:
+            check_cp_length(config.seq_len, self.cp, self.cp_layout)
+            if config.dropout > 0:
+                raise ValueError("cp > 1 with dropout > 0 is not supported; use dropout = 0")
+            if self.sequence_parallel:
+                raise ValueError("cp > 1 with sequence parallelism is not supported yet")
+            if self.cp_strategy == "ulysses":
+                check_ulysses_heads(
+                    config.n_heads // self.tp, max(1, config.kv_heads // self.tp), self.cp
+                )
 
     def to_dict(self) -> dict:
         return asdict(self)

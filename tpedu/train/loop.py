@@ -87,16 +87,35 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * min(frac, 1.0)))
 
 
+def context_parallel_groups(
+    parallel: ParallelConfig,
+) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+    """(this rank's TP group, its CP group) for tp·cp ranks, tp fastest: rank = tp_rank +
+    tp · cp_rank, so a TP group is consecutive ranks (one node) and a CP group strides over
+    them. (None, None) without context parallelism: TP over the whole world. Collective."""
+    if parallel.cp == 1:
+        return None, None
+    tp, world, rank = parallel.tp, dist.get_world_size(), dist.get_rank()
+    tps = [dist.new_group(list(range(c, c + tp))) for c in range(0, world, tp)]
+    cps = [dist.new_group(list(range(t, world, tp))) for t in range(tp)]
+    return collectives.name_group(tps[rank // tp], "tp"), collectives.name_group(
+        cps[rank % tp], "cp"
+    )
+
+
 def build_model(
     config: GPTConfig,
     seed: int,
     group: dist.ProcessGroup | None = None,
     parallel: ParallelConfig | None = None,
+    cp_group: dist.ProcessGroup | None = None,
 ) -> TPGPT:
     """This rank's shards of the dense model that `seed` initialises (the same on every rank),
     built without materialising the dense model (tpedu.model.sharded_init), run as `parallel`
     says (sequence parallelism, recompute, overlap)."""
     options = parallel.model_options() if parallel else {}
+    if cp_group is not None:
+        options["cp_group"] = cp_group
     return build_sharded(config, group, seed=seed, **options)[0].to(device())
 
 
@@ -140,7 +159,7 @@ def evaluate(model: TPGPT, ids: torch.Tensor, cfg: TrainConfig, batches: int) ->
     seq = model.config.seq_len
     losses = []
     for i in range(batches):
-        x, y = packed_batch(ids, cfg.batch, seq, step=i, seed=cfg.seed + 1)
+        x, y = (model.local_sequence(t) for t in packed_batch(ids, cfg.batch, seq, i, cfg.seed + 1))
         with autocast(cfg.dtype, device()):
             losses.append(model(x.to(device()), y.to(device())).item())
     model.train()
@@ -205,29 +224,38 @@ def train(
     """Train on every rank of the world as `parallel` says (None: tensor parallelism over the
     whole world); return a summary dict (the same on every rank)."""
     parallel = parallel or ParallelConfig(tp=dist.get_world_size())
-    parallel.layout.check_world(dist.get_world_size())
+    if parallel.world != dist.get_world_size():
+        raise ValueError(
+            f"tp·cp·pp·dp = {parallel.world} does not match the world size "
+            f"{dist.get_world_size()}; launch {parallel.world} ranks"
+        )
     parallel.check(config)
     if not parallel.tp_only:
         return _train_3d(config, parallel, cfg, train_ids, val_ids, out, tok)
     tp = parallel.tp
-    model = build_model(config, cfg.seed, parallel=parallel)
+    tp_group, cp_group = context_parallel_groups(parallel)
+    model = build_model(config, cfg.seed, tp_group, parallel, cp_group)
     opt = make_optimizer(model, cfg)
     scaler = make_scaler(cfg.dtype, cfg.loss_scale, cfg.loss_scale_window)
     first = resume_from(cfg, model, opt, scaler)  # 0 unless cfg.resume
 
     def step(k: int) -> tuple[float, float]:
-        x, y = packed_batch(train_ids, cfg.batch, config.seq_len, k, cfg.seed)
+        x, y = (
+            model.local_sequence(t)
+            for t in packed_batch(train_ids, cfg.batch, config.seq_len, k, cfg.seed)
+        )
         return train_step(model, opt, x.to(device()), y.to(device()), k, cfg, scaler)
 
     losses, history, seconds = run_loop(
         cfg,
         first,
-        f"train tp={tp}",
+        f"train tp={tp}" + (f" cp={parallel.cp}" if parallel.cp > 1 else ""),
         step,
         evaluate=lambda: evaluate(model, val_ids, cfg, cfg.eval_batches),
         save=lambda k: save_if_due(cfg, k, model, opt, parallel=parallel, tok=tok, scaler=scaler),
     )
-    summary = _summary(config, parallel, cfg, losses, history, seconds, model, tp=tp)
+    cp = {"cp": parallel.cp} if parallel.cp > 1 else {}
+    summary = _summary(config, parallel, cfg, losses, history, seconds, model, tp=tp, **cp)
     if scaler is not None:
         summary["loss_scale"] = scaler.state_dict()
     if out is not None:
