@@ -505,9 +505,18 @@ class _Reader:
         same = [s.get("tp_rank") for s in shards] == list(range(tp))
         if kind == "replicated" or entry["kind"] != kind or not same:
             return split_tensor(self.dense(key, config, shape), kind, tp, rank, config)
+        self._check_shape(key, entry, shape)
+        return self._shard(key, shards[rank])
+
+    def _check_shape(self, key: str, entry: dict, shape: tuple[int, ...] | None) -> None:
         if shape is not None and tuple(entry["shape"]) != tuple(shape):
-            self.dense(key, config, shape)  # raises, naming the field
-        s = shards[rank]
+            raise CheckpointError(
+                f"{self.dir / INDEX}: field 'tensors.{key}.shape' is "
+                f"{entry['shape']}, the model needs {list(shape)}"
+            )
+
+    def _shard(self, key: str, s: dict) -> torch.Tensor:
+        """One saved shard of `key` (index entry `s`), its file and shape checked."""
         self._check(s["file"])
         with safe_open(self.dir / s["file"], framework="pt") as f:
             if key not in f.keys():
@@ -525,24 +534,8 @@ class _Reader:
     ) -> torch.Tensor:
         """The merged dense tensor `key` (checked against `shape` and its shards' shapes)."""
         entry = self.entry(key)
-        if shape is not None and tuple(entry["shape"]) != tuple(shape):
-            raise CheckpointError(
-                f"{self.dir / INDEX}: field 'tensors.{key}.shape' is "
-                f"{entry['shape']}, the model needs {list(shape)}"
-            )
-        parts = []
-        for s in entry["shards"]:
-            self._check(s["file"])
-            with safe_open(self.dir / s["file"], framework="pt") as f:
-                if key not in f.keys():
-                    raise CheckpointError(f"{self.dir / s['file']} has no tensor {key!r}")
-                t = f.get_tensor(key)
-            if list(t.shape) != s["shape"]:
-                raise CheckpointError(
-                    f"{self.dir / s['file']}: tensor {key!r} has shape "
-                    f"{list(t.shape)}, {INDEX} says {s['shape']}"
-                )
-            parts.append(t)
+        self._check_shape(key, entry, shape)
+        parts = [self._shard(key, s) for s in entry["shards"]]
         rows = entry["shape"][0] if entry["shape"] else None
         dense = merge_shards(parts, entry["kind"], config, rows)
         if list(dense.shape) != entry["shape"]:
