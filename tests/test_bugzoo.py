@@ -9,6 +9,7 @@ import torch
 
 from tpedu import launch
 from tpedu.course.bugzoo import BUGS, broken, catalogue, run_check
+from tpedu.cp import ring
 from tpedu.model import gpt
 from tpedu.parallel import mesh, pipeline
 from tpedu.parallel.pipeline import schedules
@@ -67,6 +68,8 @@ def test_patches_are_undone_and_names_checked():
             mesh.Layout.tp_groups,
             schedules.one_f_one_b,
             gpt.index_dropout,
+            ring.merge_partials,
+            gpt.all_reduce_context_parallel_grads,
         ]
 
     originals = current()

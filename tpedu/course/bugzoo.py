@@ -20,6 +20,8 @@ symptom a learner would see:
     seed_tp_groups             TP groups = ranks with the same tp_rank (seed 2) dense vs TP loss (tp2×dp2)
     pipeline_warmup_reversed   1F1B warm-up counted from the wrong end         hang -> PipelineTimeout
     dropout_rank_masks         per-rank dropout masks in replicated regions    dense vs TP loss, training
+    cp_lse_merge_averaged      ring attention averages partial outputs         dense vs CP loss (cp 2)
+    cp_grads_unsynced          CP ranks' gradients never summed                dense vs CP gradients (cp 2)
 
 Checks run on every rank of a launch of `Bug.world` ranks and return (ok, detail) per rank; the
 bug is caught when any rank reports not ok.
@@ -37,6 +39,7 @@ import torch.distributed as dist
 from tpedu import model
 from tpedu.comm import collectives
 from tpedu.course.troubleshoot import compare_with_dense
+from tpedu.cp import ring
 from tpedu.launcher import device
 from tpedu.model import gpt
 from tpedu.parallel import mesh, pipeline
@@ -239,6 +242,40 @@ def check_pipeline() -> tuple[bool, str]:
 
 # ------------------------------------------------------------------------------------ the zoo
 
+
+def _merge_averaged(out_a, lse_a, out_b, lse_b):  # noqa: ANN001, ANN202
+    # BUG: the two partial outputs averaged, not weighted by their softmax denominators
+    return (out_a + out_b) / 2, torch.logaddexp(lse_a, lse_b)
+
+
+def check_cp_step() -> tuple[bool, str]:
+    """cp = world (2), ring attention, zig-zag: the CP GPT's loss and gradients vs dense (float64)."""
+    from tpedu.cp.ring import split_sequence
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    singles = [dist.new_group([r]) for r in range(world)]  # tp 1: each rank its own TP group
+    cp_group = dist.new_group(list(range(world)))
+    torch.manual_seed(0)
+    dense = model.DenseGPT(GPT2).double()
+    tp_model = model.TPGPT(dense, singles[rank], cp_group=cp_group)
+    ids, tgt = _batch(GPT2, b=2, s=8)
+    want = dense(ids, tgt)
+    want.backward()
+    loss = tp_model(*(split_sequence(t, world, rank, "zigzag", dim=1) for t in (ids, tgt)))
+    loss.backward()
+    tp_model.sync_grads()
+    grads = tp_model.gather_state_dict(grads=True)  # dense names (tp 1: no communication)
+    worst, name = 0.0, "-"
+    for n, p in dense.named_parameters():
+        d = ((grads[n] - p.grad).norm() / p.grad.norm().clamp_min(1e-30)).item()
+        worst, name = max((worst, name), (d, n))
+    diff = abs(loss.item() - want.item()) / want.item()
+    return (
+        diff <= 1e-9 and worst <= 1e-9,
+        f"loss rel diff {diff:.1e}, worst gradient {name} ({worst:.1e})",
+    )
+
+
 BUGS: dict[str, Bug] = {
     b.name: b
     for b in [
@@ -361,6 +398,27 @@ BUGS: dict[str, Bug] = {
             "across ranks, loss differs from tp=1, replicated weights drift apart",
             "not in the seeds: Megatron-LM's CUDA RNG tracker (model-parallel vs data-parallel "
             "seeds)",
+        ),
+        Bug(
+            "cp_lse_merge_averaged",
+            "ring attention averages the blocks' partial outputs instead of weighting them",
+            lambda: _patched(ring, "merge_partials", _merge_averaged),
+            check_cp_step,
+            2,
+            "runs and trains, loss a little off from tp=1 and every gradient wrong; with one "
+            "CP rank (nothing to merge) it is right, so a cp=1 test never sees it",
+            "not in the seeds: production CP attention has shipped wrong-gradient bugs "
+            "(Megatron-LM #1464, TransformerEngine #1557)",
+        ),
+        Bug(
+            "cp_grads_unsynced",
+            "context parallel: gradients never summed over the CP ranks",
+            lambda: _patched(gpt, "all_reduce_context_parallel_grads", _sync_nothing),
+            check_cp_step,
+            2,
+            "loss identical, every gradient about 1/cp of the right one (each rank saw its "
+            "positions only); CP replicas' weights drift apart",
+            "not in the seeds: the CP analogue of sequence parallelism's norm-gradient bug",
         ),
     ]
 }

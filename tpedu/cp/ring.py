@@ -70,6 +70,20 @@ def split_sequence(
     return x.index_select(dim, chunk_positions(x.shape[dim], cp, rank, layout).to(x.device))
 
 
+def merge_partials(
+    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two partial attention results over disjoint key sets -> the result over both.
+
+    out_* [..., s, d] are each normalised over its own keys, lse_* [..., s] the log of each
+    softmax denominator: lse = log(e^lse_a + e^lse_b), and each part is weighted by its share of
+    the total, e^(lse_* − lse). A row with no key in a part has lse = −inf and weight 0."""
+    lse = torch.logaddexp(lse_a, lse_b)
+    safe = torch.where(torch.isinf(lse), 0.0, lse)
+    out = out_a * torch.exp(lse_a - safe)[..., None] + out_b * torch.exp(lse_b - safe)[..., None]
+    return out, lse
+
+
 def _block(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scale: float):
     """Scores of q [b, hq, sq, d] against k [b, hq, sk, d] with `mask` [sq, sk] (True = keep)."""
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
@@ -144,13 +158,7 @@ class RingAttention(torch.autograd.Function):
                 lse_b = torch.logsumexp(scores, dim=-1)
                 safe = torch.where(torch.isinf(lse_b), 0.0, lse_b)  # rows with no key here
                 out_b = torch.matmul(torch.exp(scores - safe[..., None]), _expand(kv[1], groups))
-                new = torch.logaddexp(lse, lse_b)
-                new_safe = torch.where(torch.isinf(new), 0.0, new)
-                out = (
-                    out * torch.exp(lse - new_safe)[..., None]
-                    + out_b * torch.exp(lse_b - new_safe)[..., None]
-                )
-                lse = new
+                out, lse = merge_partials(out, lse, out_b, lse_b)
             for w in works:
                 w.wait()
             kv = nxt if nxt is not None else kv

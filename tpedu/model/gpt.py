@@ -29,6 +29,7 @@ CP group, the loss is the mean over the whole sequence (2 small all-reduces over
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
@@ -86,6 +87,16 @@ def _embed_sequence_parallel(model: TPGPT, ids: torch.Tensor, step: int) -> torc
         x = x + model.pos_emb(torch.arange(start, start + s // model.tp, device=ids.device))
     seed = derive_seed(model.config.seed, EMBEDDING_DROPOUT_SITE, step)
     return sequence_dropout(x, model.config.dropout, seed, model.group, model.training)
+
+
+def all_reduce_context_parallel_grads(
+    params: Iterable[nn.Parameter], group: dist.ProcessGroup | None
+) -> None:
+    """Sum every gradient over the CP group (in place): each CP rank's covers its positions.
+    One all-reduce per parameter."""
+    for p in params:
+        if p.grad is not None:
+            collectives.all_reduce(p.grad, group)
 
 
 def _check_context_parallel(
@@ -389,9 +400,7 @@ class TPGPT(nn.Module):
             block.attn.all_reduce_replicated_kv_grads()
         if self.cp > 1:  # each CP rank's gradients cover its positions only: sum them
             with tracer.phase("grad_sync"):
-                for p in self.parameters():
-                    if p.grad is not None:
-                        collectives.all_reduce(p.grad, self.cp_group)
+                all_reduce_context_parallel_grads(self.parameters(), self.cp_group)
         if self.sequence_parallel and sequence_parallel_grads:
             with tracer.phase("grad_sync"):
                 all_reduce_sequence_parallel_grads(sequence_parallel_params(self), self.group)
