@@ -70,6 +70,7 @@ def test_patches_are_undone_and_names_checked():
             gpt.index_dropout,
             ring.merge_partials,
             gpt.all_reduce_context_parallel_grads,
+            gpt.chunk_positions,
         ]
 
     originals = current()

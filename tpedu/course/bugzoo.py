@@ -22,6 +22,8 @@ symptom a learner would see:
     dropout_rank_masks         per-rank dropout masks in replicated regions    dense vs TP loss, training
     cp_lse_merge_averaged      ring attention averages partial outputs         dense vs CP loss (cp 2)
     cp_grads_unsynced          CP ranks' gradients never summed                dense vs CP gradients (cp 2)
+    cp_positions_not_offset    every CP chunk's positions counted from 0       dense vs CP loss (cp 2)
+    cp_zigzag_offsets_wrong    zig-zag data, contiguous positions in the model dense vs CP loss (cp 2)
 
 Checks run on every rank of a launch of `Bug.world` ranks and return (ok, detail) per rank; the
 bug is caught when any rank reports not ok.
@@ -248,6 +250,15 @@ def _merge_averaged(out_a, lse_a, out_b, lse_b):  # noqa: ANN001, ANN202
     return (out_a + out_b) / 2, torch.logaddexp(lse_a, lse_b)
 
 
+def _positions_from_zero(s: int, cp: int, rank: int, layout: str = "zigzag"):  # noqa: ANN202
+    return torch.arange(s // cp)  # BUG: every chunk counted from 0, not from its global start
+
+
+def _positions_contiguous(s: int, cp: int, rank: int, layout: str = "zigzag"):  # noqa: ANN202
+    n = s // cp  # BUG: the data is split zig-zag, the model thinks it holds [r·n, (r+1)·n)
+    return torch.arange(rank * n, (rank + 1) * n)
+
+
 def check_cp_step() -> tuple[bool, str]:
     """cp = world (2), ring attention, zig-zag: the CP GPT's loss and gradients vs dense (float64)."""
     from tpedu.cp.ring import split_sequence
@@ -419,6 +430,25 @@ BUGS: dict[str, Bug] = {
             "loss identical, every gradient about 1/cp of the right one (each rank saw its "
             "positions only); CP replicas' weights drift apart",
             "not in the seeds: the CP analogue of sequence parallelism's norm-gradient bug",
+        ),
+        Bug(
+            "cp_positions_not_offset",
+            "context parallel: each rank numbers its positions from 0",
+            lambda: _patched(gpt, "chunk_positions", _positions_from_zero),
+            check_cp_step,
+            2,
+            "with learned positions every chunk gets the first positions' embeddings; the causal "
+            "mask lets every rank's queries see the other ranks' keys as if earlier or equal",
+            "not in the seeds: a classic of hand-written sequence splitting",
+        ),
+        Bug(
+            "cp_zigzag_offsets_wrong",
+            "zig-zag split of the data, contiguous positions in the model",
+            lambda: _patched(gpt, "chunk_positions", _positions_contiguous),
+            check_cp_step,
+            2,
+            "loss off from tp=1 on every step; a contiguous split (or cp = 1) hides it",
+            "not in the seeds: load-balanced CP needs the causal mask from the real positions",
         ),
     ]
 }
