@@ -99,10 +99,11 @@ def all_reduce_context_parallel_grads(
             collectives.all_reduce(p.grad, group)
 
 
-def _check_context_parallel(
+def check_context_parallel(
     config: GPTConfig, sequence_parallel: bool, strategy: str, layout: str, tp: int, cp: int
 ) -> None:
-    """What context parallelism refuses, before any forward."""
+    """Raise a ValueError for what context parallelism cannot run (before any forward; also
+    ParallelConfig.check's)."""
     if strategy not in ("ring", "ulysses"):
         raise ValueError(f"cp_strategy must be 'ring' or 'ulysses', got {strategy!r}")
     if layout not in LAYOUTS:
@@ -223,7 +224,7 @@ class TPGPT(nn.Module):
         self.cp_group, self.cp_layout = cp_group, cp_layout
         self.cp = dist.get_world_size(cp_group) if cp_group is not None else 1
         if self.cp > 1:
-            _check_context_parallel(
+            check_context_parallel(
                 config, sequence_parallel, cp_strategy, cp_layout, self.tp, self.cp
             )
         layers = range(config.n_layers) if layers is None else layers

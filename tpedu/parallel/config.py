@@ -25,8 +25,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 
 from tpedu.cp.ring import LAYOUTS, check_cp_length
-from tpedu.cp.ulysses import check_ulysses_heads
 from tpedu.model.config import RECOMPUTE, GPTConfig
+from tpedu.model.gpt import check_context_parallel
 from tpedu.parallel.mesh import Layout
 from tpedu.parallel.pipeline.schedules import partition, schedule
 from tpedu.tp.sequence_parallel import check_sequence_length
@@ -112,14 +112,9 @@ class ParallelConfig:
             check_sequence_length(config.seq_len, self.tp)
         if self.cp > 1:
             check_cp_length(config.seq_len, self.cp, self.cp_layout)
-            if config.dropout > 0:
-                raise ValueError("cp > 1 with dropout > 0 is not supported; use dropout = 0")
-            if self.sequence_parallel:
-                raise ValueError("cp > 1 with sequence parallelism is not supported yet")
-            if self.cp_strategy == "ulysses":
-                check_ulysses_heads(
-                    config.n_heads // self.tp, max(1, config.kv_heads // self.tp), self.cp
-                )
+            check_context_parallel(
+                config, self.sequence_parallel, self.cp_strategy, self.cp_layout, self.tp, self.cp
+            )
 
     def to_dict(self) -> dict:
         return asdict(self)
