@@ -56,7 +56,7 @@ clean:
 DEMO_ARGS ?= --layers 4 --hidden 128 --heads 4 --seq 128 --batch 16 --steps 300 --lr 3e-3 --eval-every 100
 demo: $(STAMP)
 	$(PY) -m tpedu train --tp 2 $(DEMO_ARGS) --out runs/demo
-	$(PY) -m tpedu generate --tp 2 --model runs/demo --prompt "却说宝玉" --max-new-tokens 200
+	$(PY) -m tpedu generate --tp 2 --model runs/demo --prompt "却说宝玉" --max-new-tokens 120
 
 # On a machine with CUDA GPUs: bf16/fp16 steps, TP == dense, generation and checkpoints on the
 # GPU, two ranks on one GPU over gloo, MFU of GPT-2 small (a few minutes; add ARGS=--notebooks

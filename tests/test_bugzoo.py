@@ -11,7 +11,7 @@ from tpedu import launch
 from tpedu.course.bugzoo import BUGS, broken, catalogue, run_check
 from tpedu.cp import ring
 from tpedu.model import gpt
-from tpedu.parallel import mesh, pipeline
+from tpedu.parallel import mesh, pipeline, zero
 from tpedu.parallel.pipeline import schedules
 from tpedu.tp import attention, vocab_parallel
 from tpedu.tp import operators as tp_ops
@@ -71,6 +71,9 @@ def test_patches_are_undone_and_names_checked():
             ring.merge_partials,
             gpt.all_reduce_context_parallel_grads,
             gpt.chunk_positions,
+            zero.FlatBuffer.finish_grads,
+            zero.ShardedDataParallel.step,
+            zero._GatherForBackward.__dict__["backward"],
         ]
 
     originals = current()
@@ -103,3 +106,20 @@ def test_the_naive_variants_are_the_documented_mistakes():
     with broken("pipeline_warmup_reversed"):
         assert pipeline.schedule("1f1b", 2, 2, 0) == [("F", 0), ("B", 0), ("F", 1), ("B", 1)]
     assert pipeline.schedule("1f1b", 2, 2, 0) == [("F", 0), ("F", 1), ("B", 0), ("B", 1)]
+
+
+def test_the_zero_bugs_show_their_documented_symptoms():
+    """Against plain DP: the summed gradient is exactly N× (norm ratio 2 at dp 2), the double
+    update leaves step 0 right and moves step 1, and backward over a freed block crashes."""
+
+    def worker():
+        names = ("zero_grads_summed", "zero_shard_updated_twice", "zero3_no_backward_gather")
+        return {n: run_check(n, with_bug=True)[1] for n in names}
+
+    for detail in launch(worker, 2, timeout=120):
+        assert (
+            detail["zero_grads_summed"].startswith("step 0")
+            and "(× 2.000)" in detail["zero_grads_summed"]
+        ), detail
+        assert detail["zero_shard_updated_twice"].startswith("step 1: "), detail
+        assert "storage of size 0" in detail["zero3_no_backward_gather"], detail

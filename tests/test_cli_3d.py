@@ -139,3 +139,20 @@ def test_bad_layouts_are_one_line_errors(args, message, capfd):
     code, _, err = tpedu(capfd, "train", *args)
     assert code == 2
     assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("flags", [["--zero", "3"], ["--zero", "2"], ["--zero1"]])
+def test_train_with_zero_stages(reference, tmp_path, capfd, flags):
+    """`--zero N` over 2 DP replicas (`--zero1` = `--zero 1`): the one-process run's numbers;
+    the summary names the stage."""
+    args = ["train", "--dp", "2", *SMALL, *flags, "--json", str(tmp_path / "s.json")]
+    code, out, err = tpedu(capfd, *args)
+    assert code == 0, err
+    got = read_summary(tmp_path / "s.json")
+    same(got, reference)
+    assert got["zero"] == (1 if flags == ["--zero1"] else int(flags[1]))
+
+
+def test_bad_zero_stage_exits_2(capfd):
+    code, _, err = tpedu(capfd, "train", "--dp", "2", *SMALL, "--zero", "4")
+    assert code == 2 and "invalid choice: 4" in err

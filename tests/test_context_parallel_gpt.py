@@ -131,8 +131,8 @@ def test_training_with_context_parallelism_equals_one_process(tmp_path):
 def test_parallel_config_refuses_what_cp_cannot_run_yet():
     from tpedu.parallel.config import ParallelConfig
 
-    with pytest.raises(ValueError, match="cp = 2 runs with tensor parallelism only for now"):
-        ParallelConfig(cp=2, pp=2)
+    with pytest.raises(ValueError, match="with sequence parallelism is not supported yet"):
+        ParallelConfig(tp=2, cp=2, sequence_parallel=True).check(CONFIGS["gpt2"])
     with pytest.raises(ValueError, match="sequence length 12 is not divisible by 8"):
         ParallelConfig(cp=4).check(dataclasses.replace(CONFIGS["gpt2"], seq_len=12))
     with pytest.raises(ValueError, match="dropout > 0 is not supported"):

@@ -1,15 +1,20 @@
 """Hugging Face GPT-2 weights in the tensor-parallel GPT give GPT-2's own logits, at tp 1, 2, 4,
-with GPT-2's real vocabulary size 50257 (padded at tp > 1). Nothing is downloaded: a small,
-randomly initialised GPT2LMHeadModel is built locally."""
+with GPT-2's real vocabulary size 50257 (padded at tp > 1), loaded from a state dict or from a
+`save_pretrained` directory by slices (each rank reads exactly its shards' bytes). Nothing is
+downloaded: a small, randomly initialised GPT2LMHeadModel is built locally."""
+
+from contextlib import contextmanager
 
 import pytest
 import torch
 import transformers
+from safetensors import safe_open
 
 from tpedu import launch
-from tpedu.checkpoint import hf
+from tpedu.checkpoint import hf, hf_map
 from tpedu.model.dense import DenseGPT
 from tpedu.model.gpt import TPGPT
+from tpedu.model.state import dense_shapes, shard_map, split_tensor
 
 
 @pytest.fixture(scope="module")
@@ -52,11 +57,12 @@ def test_export_round_trips_into_transformers(gpt2):
         torch.testing.assert_close(dense(ids), expected, rtol=1e-10, atol=1e-10)
 
 
-def test_non_gpt2_configs_cannot_be_exported():
+def test_configs_neither_family_expresses_cannot_be_exported():
+    """Learned positions make a config GPT-2's; GPT-2 then refuses what else it cannot do."""
     from tpedu.model.config import GPTConfig
 
     with pytest.raises(ValueError, match="GPT-2 needs norm='layernorm'"):
-        hf.state_to_hf({}, GPTConfig.llama_like(100))
+        hf.state_to_hf({}, GPTConfig.llama_like(100, position="learned"))
 
 
 @pytest.mark.parametrize("vocab", [4334, 50257])
@@ -72,3 +78,83 @@ def test_exported_config_token_ids_are_in_the_vocabulary(vocab):
         assert value is None or 0 <= value < vocab, f"{name} = {value}, vocabulary {vocab}"
     if vocab == 50257:
         assert cfg.bos_token_id == cfg.eos_token_id == 50256
+
+
+class _CountingSlice:
+    """A safetensors slice that logs the bytes of every block it hands out."""
+
+    def __init__(self, sl, log: list[int]) -> None:
+        self.sl, self.log = sl, log
+
+    def get_shape(self) -> list[int]:
+        return self.sl.get_shape()
+
+    def __getitem__(self, key):
+        block = self.sl[key]
+        self.log.append(block.numel() * block.element_size())
+        return block
+
+
+class _CountingFile:
+    """An open safetensors file with slices only (no get_tensor: a whole read fails)."""
+
+    def __init__(self, f, log: list[int]) -> None:
+        self.f, self.log = f, log
+
+    def keys(self) -> list[str]:
+        return self.f.keys()
+
+    def get_slice(self, key: str) -> _CountingSlice:
+        return _CountingSlice(self.f.get_slice(key), self.log)
+
+
+def sliced_load(path, state, ids):
+    """On a rank: load `path` by slices (counting the bytes read) and from the dense `state`.
+    -> (sliced params, full-load params, bytes read, this rank's shard bytes, logits)."""
+
+    @contextmanager
+    def counting_open(file, framework):
+        with safe_open(file, framework) as f:
+            yield _CountingFile(f, log)
+
+    log: list[int] = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(hf_map, "safe_open", counting_open)
+        model = hf.load_hf_sharded(path, dtype=torch.float64).eval()
+    config = model.config
+    torch.set_default_dtype(torch.float64)  # the reference built in float64, not cast to it
+    full = TPGPT.from_state_dict(config, hf.state_from_hf(state, config))
+    rank = torch.distributed.get_rank()
+    shapes = dense_shapes(config)
+    held = sum(  # split_tensor zero-fills the vocabulary padding: only real elements count
+        split_tensor(torch.ones(shapes[e.name]), e.stored_kind, model.tp, rank, config).sum()
+        for e in shard_map(model)
+    )
+    with torch.no_grad():
+        logits = model.full_logits(ids)
+    return dict(model.named_parameters()), dict(full.named_parameters()), sum(log), held * 8, logits
+
+
+def check_sliced(results, expected_logits, total_bytes, tp) -> None:
+    """Every rank: the sliced model is the full load bit for bit, it read exactly its shards'
+    bytes (a 1/tp share, not the file), and its logits are the reference's."""
+    for sliced, full, read, held, logits in results:
+        assert sliced.keys() == full.keys()
+        for name, p in sliced.items():
+            assert torch.equal(p, full[name]), name
+        assert read == held
+        if tp > 1:
+            assert read < 0.75 * total_bytes
+        torch.testing.assert_close(logits, expected_logits, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_gpt2_directory_loads_by_slices(gpt2, tmp_path, tp):
+    """save_pretrained stores the Conv1D weights [in, out] and drops the tied lm_head: the
+    ranks read transposed column blocks of them, and padding rows of the vocabulary."""
+    model, ids, expected = gpt2
+    model.save_pretrained(tmp_path)
+    total = sum(v.numel() * v.element_size() for v in model.state_dict().values())
+    total -= model.lm_head.weight.numel() * 8  # tied: stored once
+    results = launch(sliced_load, tp, tmp_path, model.state_dict(), ids)
+    check_sliced(results, expected, total, tp)

@@ -23,7 +23,7 @@ CONFIG = GPTConfig.gpt2_like(37, seq_len=12, n_layers=2, hidden=16, n_heads=4)
         ({"schedule": "zigzag"}, "schedule must be one of"),
         ({"stage_split": "fast"}, "stage_split must be one of"),
         ({"recompute": "half"}, "recompute must be one of"),
-        ({"zero": 2}, "zero must be one of"),
+        ({"zero": 4}, "zero must be one of"),
         ({"micro_batches": 0}, "micro_batches must be at least 1"),
         ({"pp": 2, "chunks": 2}, "need the 'interleaved' schedule"),
     ],

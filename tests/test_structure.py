@@ -10,8 +10,8 @@ but that is not a dependency of the importing module).
 
 Layers, lowest first; a module may import its own layer and those below:
 
-    launcher < comm < tp < model < parallel < train = checkpoint < analysis = course < cli
-             < __main__
+    launcher < comm < tp < model < parallel < train = checkpoint = serve < analysis = course
+             < cli < __main__
 
 `tpedu/__init__.py` (the package's face) imports only tpedu.launcher and counts as its layer.
 A sub-package's __init__.py belongs to that sub-package's layer.
@@ -38,14 +38,15 @@ LAYERS = {
     "parallel": 4,
     "train": 5,
     "checkpoint": 5,
+    "serve": 5,
     "analysis": 6,
     "course": 6,
     "cli": 7,
     "__main__": 8,
 }
 ORDER = (
-    "launcher < comm < tp < model < parallel < train = checkpoint < analysis = course < cli "
-    "< __main__"
+    "launcher < comm < tp < model < parallel < train = checkpoint = serve < analysis = course "
+    "< cli < __main__"
 )
 FACE_MAY_IMPORT = {f"{PACKAGE}.launcher"}
 

@@ -177,6 +177,7 @@ def ledger(
     weight_bytes: int = 2,
     grad_bytes: int = 2,
     optimizer_bytes: int = 12,
+    zero: int = 0,
 ) -> Ledger:
     """Per-device training memory of `config` under tensor/pipeline/data parallelism.
 
@@ -191,8 +192,10 @@ def ledger(
     - PP gives stage 0 ceil(L / pp) layers plus the input embedding and positions. With pp = 1
       the one stage also holds the final LayerNorm and the LM head; with pp > 1 those live on
       the last stage (which, for tied embeddings, keeps its own copy of the table).
-    - DP divides nothing: every replica holds the full state. With zero1=True (ZeRO stage 1)
-      the optimizer states are divided by dp.
+    - DP divides nothing: every replica holds the full state, unless ZeRO shards it over the
+      dp replicas (the ZeRO paper's 2Ψ + 2Ψ + KΨ, K = 12): stage 1 (`zero=1`, or zero1=True)
+      divides the optimizer states by dp, stage 2 the gradients too, stage 3 the weights too.
+      (ZeRO-3's all-gathered block during a step is not counted: one layer's weights.)
     - Activations: per-layer bytes (activation_bytes_per_layer, for one micro-batch of
       config.micro_batch sequences) × layers on the stage × micro-batches in flight. Under the
       1F1B schedule stage 0 holds up to pp micro-batches, so the in-flight count is pp (this
@@ -212,22 +215,23 @@ def ledger(
     else:
         other = 0
     params = in_layers + embedding + other
-    opt_divisor = dp if zero1 else 1
-    per_param = weight_bytes + grad_bytes + optimizer_bytes / opt_divisor
+    zero = max(zero, 1) if zero1 else zero
+    w_div, g_div, o_div = (dp if zero >= k else 1 for k in (3, 2, 1))
+    per_param = weight_bytes / w_div + grad_bytes / g_div + optimizer_bytes / o_div
     acts = activation_bytes_per_layer(
         c.seq_len, c.micro_batch, c.hidden, c.n_heads, tp, sp, recompute
     )
     return Ledger(
-        weights=params * weight_bytes,
-        gradients=params * grad_bytes,
-        optimizer=params * optimizer_bytes / opt_divisor,
+        weights=params * weight_bytes / w_div,
+        gradients=params * grad_bytes / g_div,
+        optimizer=params * optimizer_bytes / o_div,
         activations=acts * layers * pp,
         params=params,
         embedding=embedding * per_param,
         label=f"tp={tp} pp={pp} dp={dp}"
         + (" sp" if sp else "")
         + (f" recompute={recompute}" if recompute != "none" else "")
-        + (" zero1" if zero1 else ""),
+        + (f" zero{zero}" if zero else ""),
     )
 
 

@@ -3,7 +3,9 @@
     files    atomic, fsynced writes and whole-directory replacement; CheckpointError
     sharded  sharded checkpoints: every rank saves what it owns; index, validation, resume
     convert  model directories (`train --out`, used from lesson 07), resharding, dense and HF export
-    hf       Hugging Face GPT-2 import into the tensor-parallel GPT, and export back
+    hf       Hugging Face GPT-2 and Llama import into the tensor-parallel GPT (whole or by this
+             rank's slices), and export back; hf_gpt2 / hf_llama name each family's tensors in
+             the one table of hf_map
 
 The split and merge rules the checkpoints use live in tpedu.model.state (re-exported here with the
 public names of files, sharded and convert).
@@ -12,7 +14,6 @@ public names of files, sharded and convert).
 from tpedu.checkpoint.convert import (
     DENSE_FORMAT,
     export_dense,
-    export_hf,
     import_dense,
     load_model_files,
     read_dense,
@@ -22,6 +23,7 @@ from tpedu.checkpoint.convert import (
     write_sharded,
 )
 from tpedu.checkpoint.files import CheckpointError, replace_dir
+from tpedu.checkpoint.hf import export_hf
 from tpedu.checkpoint.sharded import (
     FORMAT,
     INDEX,

@@ -12,7 +12,7 @@ Resharding merges every tensor to dense and splits it again with the model's own
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -24,7 +24,6 @@ from torch import nn
 
 import tpedu
 from tpedu.checkpoint.files import CheckpointError, _export_tmp, replace_dir
-from tpedu.checkpoint.hf import hf_config, state_to_hf
 from tpedu.checkpoint.sharded import (
     FORMAT,
     _finalize,
@@ -151,9 +150,10 @@ def write_sharded(
 
 
 def reshard(
-    src: str | Path, dst: str | Path, tp: int = 1, pp: int = 1, dp: int = 1, zero1: bool = False
+    src: str | Path, dst: str | Path, tp: int = 1, pp: int = 1, dp: int = 1, zero: int = 0
 ) -> Path:
-    """Rewrite checkpoint `src` (a step dir or a root) for layout (tp, pp, dp) under `dst`.
+    """Rewrite checkpoint `src` (a step dir or a root) for layout (tp, pp, dp) and ZeRO stage
+    `zero` under `dst` (on disk only ZeRO-1 differs: its dp ranks' files split AdamW's state).
 
     Parameters and optimizer state are merged to dense and re-split; step, data position, the
     source's other parallel settings (sequence parallelism, stage split, ...) and the rest of
@@ -163,7 +163,7 @@ def reshard(
     config, tensors, index = read_dense(src)
     tok = _tokenizer(resolve(src))
     source = read_parallel(src)
-    parallel = replace(source, tp=tp, pp=pp, dp=dp, zero=int(zero1), chunks=1)
+    parallel = replace(source, tp=tp, pp=pp, dp=dp, zero=zero, chunks=1)
     return write_sharded(dst, config, tensors, index["step"], parallel, index, tok)
 
 
@@ -255,16 +255,25 @@ def check_model_dir(model_dir: str | Path) -> GPTConfig:
 def load_rank_slices(model_dir: str | Path, model: TPGPT | Sequence[TPGPT]) -> None:
     """Fill this rank's parameters from a dense model directory, reading from model.safetensors
     only the rows or columns the rank holds (safetensors' `get_slice`: memory = the shards).
+    No communication."""
+    with safe_open(Path(model_dir) / "model.safetensors", "pt") as f:
+        fill_rank_slices(model, f.get_slice)
 
-    Which dense rows (or, row-parallel, columns) a shard holds, in its order, is found by
-    splitting an index vector with the shard map's own rules (`split_tensor`), so the fused QKV
-    layout and the vocabulary padding need no second description here. No communication."""
+
+def fill_rank_slices(model: TPGPT | Sequence[TPGPT], get_slice: Callable[[str], object]) -> None:
+    """Fill this rank's parameters from `get_slice(dense name)`, a safetensors-style slice of
+    the dense tensor (`get_shape()`, `[:]`, `[a:b]`, `[:, a:b]`), reading only the rows or
+    (row-parallel) columns the rank holds, one read per contiguous block.
+
+    Which dense rows or columns a shard holds, in its order, is found by splitting an index
+    vector with the shard map's own rules (`split_tensor`), so the fused QKV layout and the
+    vocabulary padding need no second description here. No communication."""
     chunks = [model] if isinstance(model, nn.Module) else list(model)
     config, tp = chunks[0].config, chunks[0].tp
     rank = dist.get_rank(chunks[0].group) if dist.is_initialized() else 0
-    with safe_open(Path(model_dir) / "model.safetensors", "pt") as f, torch.no_grad():
+    with torch.no_grad():
         for e in shard_map(chunks):
-            sl = f.get_slice(e.name)
+            sl = get_slice(e.name)
             shape = sl.get_shape()
             if e.stored_kind == "replicated" or len(shape) == 0:
                 e.param.copy_(sl[:])
@@ -317,19 +326,3 @@ def import_dense(
     return write_sharded(
         dst, config, state, 0, ParallelConfig(tp, pp, dp), tok=_tokenizer(model_dir)
     )
-
-
-def export_hf(src: str | Path, out: str | Path) -> Path:
-    """A GPT-2-shaped checkpoint -> a Hugging Face directory (`GPT2LMHeadModel.from_pretrained`):
-    config.json and model.safetensors (tied lm_head omitted, as transformers saves it)."""
-    from safetensors.torch import save_file  # looked up per call: tests replace it
-
-    config, tensors, _ = read_dense(src)
-    state = state_to_hf({k: v for k, v in tensors.items() if "/" not in k}, config)
-    state.pop("lm_head.weight")  # tied to wte: transformers re-ties it on load
-    out = Path(out)
-    tmp = _export_tmp(out)
-    hf_config(config).save_pretrained(tmp)
-    save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
-    replace_dir(tmp, out)  # a failed export leaves the previous `out` as it was
-    return out

@@ -1,126 +1,127 @@
-"""Lesson 13: Hugging Face GPT-2 <-> tpedu: load GPT2LMHeadModel weights into the tensor-parallel
-GPT, and export a trained GPT-2-shaped tpedu model so `transformers` can use it.
+"""Lesson 13: Hugging Face <-> tpedu, for GPT-2 (`hf_gpt2`) and Llama (`hf_llama`).
 
-GPT-2 stores its linear layers as `Conv1D` (y = x·W + b with W [in, out]); tpedu uses nn.Linear
-(W [out, in]), so every matrix is transposed. GPT-2's fused `c_attn` produces [q | k | v] with
-the heads of each contiguous, which is exactly tpedu's fused QKV layout; `ParallelAttention`
-then picks each rank's heads out of it. GPT-2's vocabulary (50257) is prime-ish: at tp > 1 the
-vocab-parallel embedding pads it, and the padding never reaches the logits.
+    config_from_hf   a transformers GPT2Config / LlamaConfig -> GPTConfig
+    state_from_hf    a GPT2LMHeadModel / LlamaForCausalLM state dict -> a DenseGPT state dict
+    state_to_hf      a DenseGPT state dict -> the transformers model's state dict
+    hf_config        a GPTConfig -> the transformers config (GPT-2 or Llama, by its shape)
+    load_hf_sharded  a `save_pretrained` directory -> this rank's TPGPT, reading only its slices
+    export_hf        a tpedu checkpoint or model directory -> a `from_pretrained` directory
+
+Every family is one table: which Hugging Face tensors, stacked and maybe transposed, make each
+DenseGPT tensor (`hf_map`). Import, export and loading by slices all follow from that table.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+from types import ModuleType
+
 import torch
+import torch.distributed as dist
 
+from tpedu.checkpoint import hf_gpt2, hf_llama
+from tpedu.checkpoint.convert import fill_rank_slices, read_dense
+from tpedu.checkpoint.files import _export_tmp, replace_dir
+from tpedu.checkpoint.hf_gpt2 import check_gpt2_shaped
+from tpedu.checkpoint.hf_llama import check_llama_shaped
+from tpedu.checkpoint.hf_map import HFFiles
 from tpedu.model.config import GPTConfig
+from tpedu.model.dense import DenseGPT
+from tpedu.model.gpt import TPGPT
+from tpedu.model.sharded_init import materialize
 
-_TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
-_NAMES = {  # tpedu block key -> GPT-2 block key
-    "norm1.weight": "ln_1.weight",
-    "norm1.bias": "ln_1.bias",
-    "attn.qkv.weight": "attn.c_attn.weight",
-    "attn.qkv.bias": "attn.c_attn.bias",
-    "attn.out.weight": "attn.c_proj.weight",
-    "attn.out.bias": "attn.c_proj.bias",
-    "norm2.weight": "ln_2.weight",
-    "norm2.bias": "ln_2.bias",
-    "mlp.fc1.weight": "mlp.c_fc.weight",
-    "mlp.fc1.bias": "mlp.c_fc.bias",
-    "mlp.fc2.weight": "mlp.c_proj.weight",
-    "mlp.fc2.bias": "mlp.c_proj.bias",
-}
+__all__ = [
+    "export_hf",
+    "check_gpt2_shaped",
+    "check_llama_shaped",
+    "config_from_hf",
+    "family",
+    "hf_config",
+    "load_hf_sharded",
+    "read_hf_config",
+    "state_from_hf",
+    "state_to_hf",
+]
+
+FAMILIES = {"gpt2": hf_gpt2, "llama": hf_llama}  # transformers' model_type -> its module
+
+
+def family(config: GPTConfig) -> ModuleType:
+    """The module (hf_gpt2 or hf_llama) of a tpedu config: learned positions are GPT-2's, RoPE
+    is Llama's. A config that is neither raises its family's ValueError on export."""
+    return hf_gpt2 if config.position == "learned" else hf_llama
 
 
 def config_from_hf(hf_config: object) -> GPTConfig:
-    """The tpedu config of a `transformers.GPT2Config` (dropout off: use for inference/tuning)."""
-    activation = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
-    act = hf_config.activation_function
-    if act not in activation:
-        raise ValueError(
-            f"GPT-2 activation {act!r} is not supported; expected one of {list(activation)}"
-        )
-    return GPTConfig(
-        vocab_size=hf_config.vocab_size,
-        seq_len=hf_config.n_positions,
-        n_layers=hf_config.n_layer,
-        hidden=hf_config.n_embd,
-        n_heads=hf_config.n_head,
-        ffn_hidden=hf_config.n_inner or 4 * hf_config.n_embd,
-        activation=activation[act],
-        norm_eps=hf_config.layer_norm_epsilon,
-        tie_embeddings=True,
-    )
+    """The tpedu config of a transformers GPT2Config or LlamaConfig (dropout off)."""
+    kind = getattr(hf_config, "model_type", None)
+    if kind not in FAMILIES:
+        raise ValueError(f"model_type {kind!r} is not supported; expected one of {list(FAMILIES)}")
+    return FAMILIES[kind].config_from_hf(hf_config)
 
 
 def state_from_hf(hf_state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
-    """A GPT2LMHeadModel state dict -> a DenseGPT state dict (same tensors, tpedu names)."""
-    get = lambda k: hf_state[k if k in hf_state else f"transformer.{k}"]  # noqa: E731
-    out = {"tok_emb.weight": get("wte.weight"), "pos_emb.weight": get("wpe.weight")}
-    for i in range(config.n_layers):
-        for ours, theirs in _NAMES.items():
-            w = get(f"h.{i}.{theirs}")
-            out[f"blocks.{i}.{ours}"] = w.t() if theirs in _TRANSPOSED else w
-    out["norm_f.weight"], out["norm_f.bias"] = get("ln_f.weight"), get("ln_f.bias")
-    return {k: v.detach().clone().contiguous() for k, v in out.items()}
+    """A GPT2LMHeadModel or LlamaForCausalLM state dict -> a DenseGPT state dict (copies)."""
+    return family(config).state_from_hf(hf_state, config)
 
 
 def state_to_hf(state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
-    """A DenseGPT state dict (GPT-2-shaped config) -> GPT2LMHeadModel's state dict."""
-    check_gpt2_shaped(config)
-    out = {
-        "transformer.wte.weight": state["tok_emb.weight"],
-        "transformer.wpe.weight": state["pos_emb.weight"],
-        "transformer.ln_f.weight": state["norm_f.weight"],
-        "transformer.ln_f.bias": state["norm_f.bias"],
-        "lm_head.weight": state["tok_emb.weight"],
-    }
-    for i in range(config.n_layers):
-        for ours, theirs in _NAMES.items():
-            w = state[f"blocks.{i}.{ours}"]
-            out[f"transformer.h.{i}.{theirs}"] = w.t() if theirs in _TRANSPOSED else w
-    return {k: v.detach().clone().contiguous() for k, v in out.items()}
-
-
-def check_gpt2_shaped(config: GPTConfig) -> None:
-    """Raise a ValueError naming the first setting GPT-2 cannot express."""
-    wanted = {
-        "norm": "layernorm",
-        "position": "learned",
-        "bias": True,
-        "tie_embeddings": True,
-        "n_kv_heads": None,
-    }
-    for key, value in wanted.items():
-        if getattr(config, key) != value and not (
-            key == "n_kv_heads" and config.kv_heads == config.n_heads
-        ):
-            raise ValueError(
-                f"GPT-2 needs {key}={value!r}, this model has {getattr(config, key)!r}"
-            )
-    if config.activation not in ("gelu", "gelu_tanh"):
-        raise ValueError(f"GPT-2 needs a GELU activation, this model has {config.activation!r}")
+    """A DenseGPT state dict -> the GPT2LMHeadModel or LlamaForCausalLM state dict (copies)."""
+    return family(config).state_to_hf(state, config)
 
 
 def hf_config(config: GPTConfig) -> object:
-    """The `transformers.GPT2Config` of a GPT-2-shaped tpedu config."""
-    from transformers import GPT2Config  # optional dependency, imported only here
+    """The transformers GPT2Config or LlamaConfig of a tpedu config."""
+    return family(config).hf_config(config)
 
-    check_gpt2_shaped(config)
-    # GPT-2's <|endoftext|> (50256) exists only in its own vocabulary; a smaller one has no such
-    # token, and transformers warns about an id outside the vocabulary on every load.
-    eos = 50256 if config.vocab_size >= 50257 else None
-    return GPT2Config(
-        vocab_size=config.vocab_size,
-        n_positions=config.seq_len,
-        n_embd=config.hidden,
-        n_layer=config.n_layers,
-        n_head=config.n_heads,
-        n_inner=config.ffn,
-        activation_function="gelu_new" if config.activation == "gelu_tanh" else "gelu",
-        layer_norm_epsilon=config.norm_eps,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        bos_token_id=eos,
-        eos_token_id=eos,
-    )
+
+def read_hf_config(path: str | Path) -> object:
+    """The transformers config of a `save_pretrained` directory (config.json only)."""
+    from transformers import AutoConfig  # optional dependency, imported only here
+
+    if not (Path(path) / "config.json").exists():
+        raise ValueError(
+            f"{Path(path) / 'config.json'} is missing: is {path} a save_pretrained dir?"
+        )
+    return AutoConfig.from_pretrained(path)
+
+
+def load_hf_sharded(
+    path: str | Path,
+    group: dist.ProcessGroup | None = None,
+    dtype: torch.dtype = torch.float32,
+    **options: bool | str,
+) -> TPGPT:
+    """This rank's TPGPT of a Hugging Face GPT-2 or Llama `save_pretrained` directory
+    (model.safetensors, or shards with model.safetensors.index.json), built on the meta device
+    and filled by `convert.fill_rank_slices`: each tensor is read with safetensors' `get_slice`,
+    only the rows or columns this rank holds, and the dense model is never in memory.
+    `dtype`: the parameters' (the file's values are cast). `options`: TPGPT's. No
+    communication."""
+    config = config_from_hf(read_hf_config(path))
+    module = family(config)
+    table = module.table(config)
+    with HFFiles(path, module.alias) as files:  # checks the files before building anything
+        with torch.device("meta"):
+            structure = TPGPT(DenseGPT(config), group, **options).to(dtype)
+        model = materialize(structure)
+        fill_rank_slices(model, lambda name: files.slice(table[name]))
+    return model
+
+
+def export_hf(src: str | Path, out: str | Path) -> Path:
+    """A GPT-2- or Llama-shaped checkpoint -> a Hugging Face directory (`GPT2LMHeadModel` or
+    `LlamaForCausalLM.from_pretrained`): config.json and model.safetensors (a tied lm_head
+    omitted, as transformers saves it)."""
+    from safetensors.torch import save_file  # looked up per call: tests replace it
+
+    config, tensors, _ = read_dense(src)
+    state = state_to_hf({k: v for k, v in tensors.items() if "/" not in k}, config)
+    if config.tie_embeddings:
+        state.pop("lm_head.weight")  # tied to the embedding: transformers re-ties it on load
+    out = Path(out)
+    tmp = _export_tmp(out)
+    hf_config(config).save_pretrained(tmp)
+    save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
+    replace_dir(tmp, out)  # a failed export leaves the previous `out` as it was
+    return out

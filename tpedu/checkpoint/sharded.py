@@ -52,7 +52,7 @@ import json
 import os
 import shutil
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from contextvars import ContextVar
 from dataclasses import asdict, fields, is_dataclass
 from pathlib import Path
@@ -248,7 +248,7 @@ def layout_entry(parallel: ParallelConfig, config: GPTConfig) -> dict:
         "tp": parallel.tp,
         "pp": parallel.pp,
         "dp": parallel.dp,
-        "zero1": parallel.zero >= 1,
+        "zero1": parallel.zero == 1,
         **({"chunks": parallel.chunks} if parallel.chunks > 1 else {}),  # absent: 1
         "stages": [[r.start, r.stop] for r in stages],
     }
@@ -298,7 +298,7 @@ def save(
             f"chunks={parallel.chunks}, the ranks run tp, pp, dp = {layout} with {len(chunks)} "
             "chunks; pass the ParallelConfig the model was built with"
         )
-    zero1 = parallel.zero >= 1
+    zero1 = parallel.zero == 1  # ZeRO-2/3 save whole tensors (`whole`): written as ZeRO-0's
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     tmp = Path(root) / f".tmp-{step_name(step)}"
     error: BaseException | None = None
@@ -310,7 +310,7 @@ def save(
     _agree(error, f"preparing {tmp}")
     try:
         tensors, kinds = _rank_tensors(chunks, opt, coords, zero1)
-        if tensors:
+        if tensors and getattr(mesh, "cp_rank", 0) == 0:  # CP ranks hold the same shards
             _write_shard(tmp, coords, tensors, kinds)
     except Exception as e:  # noqa: BLE001
         error = e
@@ -635,8 +635,15 @@ def save_if_due(
     every, steps = getattr(cfg, "save_every", 0), getattr(cfg, "steps", None)
     ckpt_dir = getattr(cfg, "ckpt_dir", None)
     if ckpt_dir and ((every and step % every == 0) or step == steps or _SAVING_NOW.get()):
-        return save(ckpt_dir, model, opt, step, train_cfg=cfg, **kwargs)
+        with whole(opt) as full:
+            return save(ckpt_dir, model, full, step, train_cfg=cfg, **kwargs)
     return None
+
+
+def whole(opt: object | None) -> AbstractContextManager:
+    """A context giving an optimizer whose state is per whole parameter: ZeRO-2/3's
+    `consolidated()` (all-gathered over DP, re-sharded on exit: collective), else `opt`."""
+    return opt.consolidated() if hasattr(opt, "consolidated") else nullcontext(opt)
 
 
 def resume_from(
@@ -650,7 +657,8 @@ def resume_from(
     path = getattr(cfg, "resume", None)
     if not path:
         return 0
-    index = load(path, model, opt)
+    with whole(opt) as full:
+        index = load(path, model, full)
     if scaler is not None and "loss_scaler" in index:
         scaler.load_state_dict(index["loss_scaler"])
     return index["step"]

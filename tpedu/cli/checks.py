@@ -131,8 +131,10 @@ def check_args(args: argparse.Namespace) -> None:
                 f"--temperature {args.temperature}: must be at least 0 (0 always picks the "
                 "most likely token, 1 samples the model's distribution)"
             )
-        if not args.prompt.strip():
+        if args.prompt is not None and not args.prompt.strip():
             fail("--prompt is empty; give some text to continue, e.g. --prompt '宝玉'")
+        if args.max_new_tokens < 0:
+            fail(f"--max-new-tokens {args.max_new_tokens}: must be at least 0")
 
 
 def _check_train_numbers(args: argparse.Namespace) -> None:
@@ -269,7 +271,7 @@ def parallel_config(args: argparse.Namespace) -> ParallelConfig:
             sequence_parallel=args.sequence_parallel,
             recompute=args.recompute,
             overlap_comm=args.overlap_comm,
-            zero=int(args.zero1),
+            zero=args.zero,
             cp=args.cp,
             cp_strategy=args.cp_strategy,
             cp_layout=args.cp_layout,

@@ -289,7 +289,7 @@ def _reshard(args: argparse.Namespace) -> int:
         elif args.to == "hf":
             path = checkpoint.export_hf(src, args.out)
         else:
-            path = checkpoint.reshard(src, args.out, args.tp, args.pp, args.dp, args.zero1)
+            path = checkpoint.reshard(src, args.out, args.tp, args.pp, args.dp, args.zero)
     except (ValueError, FileNotFoundError) as e:  # CheckpointError is a ValueError
         fail(str(e))
     print(checkpoint.summary(path) if (path / checkpoint.INDEX).exists() else f"wrote {path}")
@@ -298,21 +298,33 @@ def _reshard(args: argparse.Namespace) -> int:
 
 def _generate(args: argparse.Namespace) -> int:
     from tpedu.checkpoint.convert import load_model_info
-    from tpedu.train.generate import generate
+    from tpedu.train.generate import generate_prompts
 
     try:  # every file checked here; the ranks read only their own slices of the weights
         config, tok = load_model_info(args.model)
     except (FileNotFoundError, ValueError) as e:  # CheckpointError is a ValueError
         fail(str(e))
     checks.check_config(config, ParallelConfig(args.tp))
-    checks.check_prompt(tok, args.prompt)
-    prompt = tok.encode(args.prompt)
+    texts = [args.prompt] if args.prompts is None else _read_prompts(args.prompts)
+    for text in texts:
+        checks.check_prompt(tok, text)
+    prompts = [tok.encode(text) for text in texts]
+    if not args.no_cache:  # the KV cache holds at most the context length
+        n = max(len(p) for p in prompts)
+        if n + args.max_new_tokens > config.seq_len:
+            fail(
+                f"--max-new-tokens {args.max_new_tokens}: a prompt of {n} tokens + "
+                f"{args.max_new_tokens} = {n + args.max_new_tokens} is more than the model's "
+                f"context length {config.seq_len}; use --max-new-tokens "
+                f"{max(0, config.seq_len - n)} or less, or --no-cache (recomputes a window "
+                f"sliding over the last {config.seq_len} tokens)"
+            )
     results = run(
-        generate,
+        generate_prompts,
         args.tp,
         config,
         str(args.model),
-        prompt,
+        prompts,
         args.max_new_tokens,
         args.temperature,
         args.top_k,
@@ -320,7 +332,25 @@ def _generate(args: argparse.Namespace) -> int:
         backend=args.backend,
         timeout=None,
         collective_timeout=args.timeout,
+        use_cache=not args.no_cache,
+        greedy=args.greedy,
     )
     if int(os.environ.get("RANK", "0")) == 0:
-        print(tok.decode(results[0]))
+        if args.prompts is None:
+            print(tok.decode(results[0][0]))
+        else:  # one line per prompt
+            for ids in results[0]:
+                print(tok.decode(ids).replace("\n", "⏎"))
     return 0
+
+
+def _read_prompts(path: str) -> list[str]:
+    """The non-empty lines of a --prompts file (without their line ends)."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        fail(f"--prompts {path}: cannot read it ({e}); give a UTF-8 text file, one prompt a line")
+    prompts = [line for line in lines if line.strip()]
+    if not prompts:
+        fail(f"--prompts {path} has no prompts; write one prompt per line")
+    return prompts

@@ -141,11 +141,27 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="continue a prompt with a trained model")
     _common(gen, "--tp")
     gen.add_argument("--model", required=True, help="directory written by `train --out`")
-    gen.add_argument("--prompt", required=True)
+    text = gen.add_mutually_exclusive_group(required=True)
+    text.add_argument("--prompt", help="the text to continue")
+    text.add_argument(
+        "--prompts",
+        metavar="FILE",
+        help="a text file with one prompt per line, generated as one batch; prints one line "
+        "per prompt (newlines in the text shown as ⏎)",
+    )
     gen.add_argument("--max-new-tokens", type=int, default=100)
     gen.add_argument("--temperature", type=float, default=0.8)
     gen.add_argument("--top-k", type=int, default=50)
     gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument(
+        "--greedy", action="store_true", help="always the most likely token (= --temperature 0)"
+    )
+    gen.add_argument(
+        "--no-cache",
+        action="store_true",
+        help="no KV cache: rerun the whole window for every token (slower; the window slides "
+        "past the context length, which the cache refuses)",
+    )
 
     _dryrun_parser(sub)
 
@@ -159,7 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
     rs.add_argument("--tp", type=int, default=1)
     rs.add_argument("--pp", type=int, default=1)
     rs.add_argument("--dp", type=int, default=1)
-    rs.add_argument("--zero1", action="store_true", help="record a ZeRO-1 layout")
+    rs.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0, help="ZeRO stage")
+    rs.add_argument("--zero1", dest="zero", action="store_const", const=1, help="= --zero 1")
     rs.add_argument(
         "--to",
         choices=["sharded", "dense", "hf"],
@@ -195,7 +212,15 @@ def _layout_flags(p: argparse.ArgumentParser) -> None:
         default=None,
         help="micro-batches per step with --pp (default: the largest ≤ 2·pp dividing batch/dp)",
     )
-    p.add_argument("--zero1", action="store_true", help="shard AdamW's states over --dp ranks")
+    p.add_argument(
+        "--zero",
+        type=int,
+        choices=(0, 1, 2, 3),
+        default=0,
+        help="ZeRO stage over the --dp ranks (lesson 11): 1 shards AdamW's states, 2 also the "
+        "gradients, 3 also the parameters (FSDP)",
+    )
+    p.add_argument("--zero1", dest="zero", action="store_const", const=1, help="= --zero 1")
     p.add_argument(
         "--schedule",
         choices=["1f1b", "gpipe", "interleaved"],

@@ -106,6 +106,38 @@ def reduce_scatter(
     return out
 
 
+def all_gather_into(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+) -> dist.Work | CompletedWork:
+    """Flat all-gather into a given buffer: out[r·n : (r+1)·n] = rank r's x (n = x.numel()).
+    ZeRO's: the buffer is where the parameters live. Returns a work handle (wait before use)."""
+    _trace("all_gather", x, group, out.numel())
+    if dist.get_world_size(group) == 1:
+        out.copy_(x)
+        return CompletedWork()
+    work = dist.all_gather_single(out, x.contiguous(), group=group, async_op=async_op)
+    return work if async_op else CompletedWork()
+
+
+def reduce_scatter_into(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+) -> dist.Work | CompletedWork:
+    """Flat reduce-scatter: out = the sum over ranks of x[r·n : (r+1)·n] on rank r
+    (n = out.numel(), x.numel() = t·n). Returns a work handle (wait before reading out)."""
+    _trace("reduce_scatter", x, group, x.numel())
+    if dist.get_world_size(group) == 1:
+        out.copy_(x)
+        return CompletedWork()
+    work = dist.reduce_scatter_single(out, x.contiguous(), group=group, async_op=async_op)
+    return work if async_op else CompletedWork()
+
+
 def broadcast(x: torch.Tensor, src: int, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Copy global rank `src`'s `x` to every rank of the group, in place."""
     _trace("broadcast", x, group, x.numel())

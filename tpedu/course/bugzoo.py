@@ -24,6 +24,10 @@ symptom a learner would see:
     cp_grads_unsynced          CP ranks' gradients never summed                dense vs CP gradients (cp 2)
     cp_positions_not_offset    every CP chunk's positions counted from 0       dense vs CP loss (cp 2)
     cp_zigzag_offsets_wrong    zig-zag data, contiguous positions in the model dense vs CP loss (cp 2)
+    zero_grads_summed          ZeRO: reduce-scattered gradients not divided    ZeRO-2 vs DP gradient norm
+                               by N
+    zero_shard_updated_twice   ZeRO: AdamW stepped once per parameter group    ZeRO-2 vs DP loss, step 1
+    zero3_no_backward_gather   ZeRO-3: backward never re-gathers a freed block ZeRO-3 vs DP (an error)
 
 Checks run on every rank of a launch of `Bug.world` ranks and return (ok, detail) per rank; the
 bug is caught when any rank reports not ok.
@@ -44,7 +48,7 @@ from tpedu.course.troubleshoot import compare_with_dense
 from tpedu.cp import ring
 from tpedu.launcher import device
 from tpedu.model import gpt
-from tpedu.parallel import mesh, pipeline
+from tpedu.parallel import mesh, pipeline, zero
 from tpedu.parallel.pipeline import schedules
 from tpedu.tp import attention, vocab_parallel
 from tpedu.tp import operators as tp_ops
@@ -287,6 +291,77 @@ def check_cp_step() -> tuple[bool, str]:
     )
 
 
+def _finish_grads_summed(self: zero.FlatBuffer) -> None:
+    if self.grad_work is None:
+        self.reduce_grads()
+    self.grad_work.wait()
+    self.shard.grad = self.grad_out.to(self.shard.dtype)  # BUG: the sum over N ranks, not the mean
+    self.ready, self.grad_out, self.grad_work = 0, None, None
+
+
+@torch.no_grad()
+def _step_per_group(self: zero.ShardedDataParallel) -> None:
+    for _group in self.param_groups:
+        self.inner.step()  # BUG: inside the loop over the 2 groups: every shard updated twice
+    for b in self.buffers:
+        if self.level == 2:
+            b.write_params()
+        else:
+            b.free()
+
+
+def _backward_without_gather(ctx: object, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+    return grad, None  # BUG: the block's parameters are still freed when its backward reads them
+
+
+def _vs_data_parallel(level: int, steps: int = 2) -> tuple[bool, str]:
+    """ZeRO-`level` training vs plain DP (ZeRO-0) on the same world ranks, float64: every
+    step's loss and gradient norm (the whole-model norm: it shows a gradient scaled by N, which
+    AdamW's update hides)."""
+    from tpedu.parallel.config import ParallelConfig
+    from tpedu.train.loop import TrainConfig, train  # the whole training loop: only when checked
+
+    g = torch.Generator().manual_seed(0)
+    tr = torch.randint(0, GPT2.vocab_size, (400,), generator=g)
+    va = torch.randint(0, GPT2.vocab_size, (100,), generator=g)
+    cfg = TrainConfig(steps=steps, batch=4, lr=1e-2, warmup=1, eval_every=1, eval_batches=1)
+    cfg = replace(cfg, progress=False)
+    world, dtype = dist.get_world_size(), torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        runs = {
+            z: train(GPT2, cfg, tr, va, parallel=ParallelConfig(dp=world, zero=z))
+            for z in (0, level)
+        }
+    except RuntimeError as e:
+        msg = str(e).splitlines()[0]
+        msg = msg if len(msg) <= 100 else f"{msg[:40]} ... {msg[-50:]}"
+        return False, f"ZeRO-{level} crashed: {type(e).__name__}: {msg}"
+    finally:
+        torch.set_default_dtype(dtype)
+    dp, z = runs[0], runs[level]
+    for step in range(steps):
+        gd, gz = dp["history"][step]["grad_norm"], z["history"][step]["grad_norm"]
+        ld, lz = dp["losses"][step], z["losses"][step]
+        dl, dg = abs(lz - ld) / ld, abs(gz - gd) / gd
+        if dl > 1e-10 or dg > 1e-10:
+            return False, (
+                f"step {step}: loss {lz:.6f} vs DP {ld:.6f} (rel {dl:.1e}), gradient norm "
+                f"{gz:.4f} vs DP {gd:.4f} (× {gz / gd:.3f})"
+            )
+    return True, f"{steps} steps: losses and gradient norms equal DP's to 1e-10"
+
+
+def check_zero2_step() -> tuple[bool, str]:
+    """ZeRO-2 (dp = world) vs plain DP: losses and gradient norms of 2 steps, float64."""
+    return _vs_data_parallel(2)
+
+
+def check_zero3_step() -> tuple[bool, str]:
+    """ZeRO-3 / FSDP (dp = world) vs plain DP: losses and gradient norms of 2 steps, float64."""
+    return _vs_data_parallel(3)
+
+
 BUGS: dict[str, Bug] = {
     b.name: b
     for b in [
@@ -449,6 +524,44 @@ BUGS: dict[str, Bug] = {
             2,
             "loss off from tp=1 on every step; a contiguous split (or cp = 1) hides it",
             "not in the seeds: load-balanced CP needs the causal mask from the real positions",
+        ),
+        Bug(
+            "zero_grads_summed",
+            "ZeRO: reduce-scattered gradient shards summed over the DP ranks, not averaged",
+            lambda: _patched(zero.FlatBuffer, "finish_grads", _finish_grads_summed),
+            check_zero2_step,
+            2,
+            "loss identical at step 0 and nearly so after (AdamW divides by √v: a gradient "
+            "scaled by N barely moves the update); the gradient norm is N× plain DP's, so "
+            "clipping fires N× too early and an lr tuned at another dp behaves differently",
+            "not in the seeds (they stop at 'data parallelism plus ZeRO'): a reduce-scatter "
+            "sums like an all-reduce, the 1/N is the caller's (FSDP's gradient divide factor)",
+        ),
+        Bug(
+            "zero_shard_updated_twice",
+            "ZeRO: the AdamW step runs inside the loop over parameter groups",
+            lambda: _patched(zero.ShardedDataParallel, "step", _step_per_group),
+            check_zero2_step,
+            2,
+            "loss and gradient norm right at step 0, then off from step 1: every shard took two "
+            "AdamW updates (its step counter runs at twice the rate); every DP rank agrees, so "
+            "the replicas stay identical and nothing looks unsynced",
+            "not in the seeds: an optimizer stepped once per group (or per chunk) instead of "
+            "once per step",
+        ),
+        Bug(
+            "zero3_no_backward_gather",
+            "ZeRO-3: a block freed after forward is not re-gathered before its backward",
+            lambda: _patched(
+                zero._GatherForBackward, "backward", staticmethod(_backward_without_gather)
+            ),
+            check_zero3_step,
+            2,
+            "forward and loss fine; backward stops in the last block with 'setStorage: ... out "
+            "of bounds for storage of size 0' (its saved weights point into a freed buffer); "
+            "ZeRO-2 and plain DP, which never free, are fine",
+            "not in the seeds: FSDP's pre-backward unshard; ZeRO paper (Rajbhandari et al. "
+            "2020): stage 3 gathers each layer's parameters again for its backward",
         ),
     ]
 }

@@ -88,7 +88,7 @@ def _block(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scale: f
     """Scores of q [b, hq, sq, d] against k [b, hq, sk, d] with `mask` [sq, sk] (True = keep)."""
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
     if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
+        scores = scores.masked_fill(~mask.to(scores.device), float("-inf"))
     return scores
 
 
@@ -145,7 +145,8 @@ class RingAttention(torch.autograd.Function):
         ring = _Ring(group)
         rank = dist.get_rank(group) if group is not None else dist.get_rank()
         groups, scale = q.shape[1] // k.shape[1], 1.0 / math.sqrt(q.shape[-1])
-        pos = positions.to(q.device)
+        # meta tensors (the dry run) have no values: which blocks to skip is decided on the CPU
+        pos = positions if q.device.type == "meta" else positions.to(q.device)
         out = torch.zeros_like(q)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
         kv = [k, v]

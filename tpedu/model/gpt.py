@@ -52,6 +52,7 @@ from tpedu.model.state import merge_shards, shard_map
 from tpedu.tp.attention import ParallelAttention
 from tpedu.tp.dropout import derive_seed, index_dropout
 from tpedu.tp.embedding import ReplicatedEmbedding, VocabParallelEmbedding
+from tpedu.tp.kv_cache import KVCache, LayerCache, check_cache_usable
 from tpedu.tp.layers import column_parallel_linear
 from tpedu.tp.mlp import ParallelMLP
 from tpedu.tp.sequence_parallel import (
@@ -164,17 +165,26 @@ class TPBlock(nn.Module):
             )
 
     def forward(
-        self, x: torch.Tensor, step: int = 0, positions: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        step: int = 0,
+        positions: torch.Tensor | None = None,
+        cache: LayerCache | None = None,
     ) -> torch.Tensor:
-        if self.recompute == "full" and torch.is_grad_enabled():
+        """`cache`: this block's KV cache (inference; x holds the new tokens only)."""
+        if self.recompute == "full" and torch.is_grad_enabled() and cache is None:
             # Keeps only x; backward reruns the block (its collectives and dropout masks too).
             return checkpoint(self._forward, x, step, positions, use_reentrant=False)
-        return self._forward(x, step, positions)
+        return self._forward(x, step, positions, cache)
 
     def _forward(
-        self, x: torch.Tensor, step: int, positions: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        step: int,
+        positions: torch.Tensor | None = None,
+        cache: LayerCache | None = None,
     ) -> torch.Tensor:
-        a = self.attn(self.norm1(x), step, positions)  # 1 all-reduce fwd, 1 bwd (SP: AG + RS)
+        a = self.attn(self.norm1(x), step, positions, cache)  # 1 all-reduce fwd, 1 bwd
         seed = derive_seed(self.seed, ATTENTION_OUTPUT_DROPOUT_SITE, step)
         if self.sequence_parallel:  # this rank's slice of the dense mask
             x = x + sequence_dropout(a, self.p, seed, self.group, self.training)
@@ -275,9 +285,23 @@ class TPGPT(nn.Module):
         return cls(dense, group, **options)
 
     def forward(
-        self, inputs: torch.Tensor, targets: torch.Tensor | None = None, step: int = 0
+        self,
+        inputs: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        step: int = 0,
+        *,
+        cache: KVCache | None = None,
     ) -> torch.Tensor:
-        """ids [b, s] (first stage) or hidden [b, s, H] -> logits / loss (last) or hidden."""
+        """ids [b, s] (first stage) or hidden [b, s, H] -> logits / loss (last) or hidden.
+
+        `cache` (inference, tpedu.tp.kv_cache.KVCache): ids [b, s] are the next s tokens of
+        each sequence, at positions cache.lengths + 0 .. s-1; each block adds its K and V to
+        the cache, which then counts s more positions. The communication is the uncached
+        forward's for these s tokens: 2 all-reduces of b·s·H per block and 1 for a vocab-parallel
+        embedding, so a decoded token (s = 1) costs 2·layers + 1 all-reduces of b·H.
+        """
+        if cache is not None:
+            self._check_cache(cache, inputs)
         sp = self.sequence_parallel
         positions = self._cp_positions(inputs.shape[1]) if self.cp > 1 else None
         if self.first:  # vocab-parallel: 1 all-reduce (SP: 1 reduce-scatter)
@@ -285,11 +309,15 @@ class TPGPT(nn.Module):
                 x = _embed_sequence_parallel(self, inputs, step)
             else:
                 mine = None if positions is None else positions[dist.get_rank(self.cp_group)]
+                if cache is not None:
+                    mine = cache.positions(inputs.shape[1])  # [b, s]
                 x = _embed(self, inputs, step, mine)
         else:
             x = inputs
-        for block in self.blocks:
-            x = block(x, step, positions)
+        for i, block in enumerate(self.blocks):
+            x = block(x, step, positions, None if cache is None else cache.layer(i))
+        if cache is not None:
+            cache.advance(inputs.shape[1])
         if not self.last:
             return x
         h = self.norm_f(x)
@@ -324,6 +352,26 @@ class TPGPT(nn.Module):
             logits, targets, self.config.vocab_size, self.group, IGNORE, inplace=True
         )
         return self._mean(losses, targets)
+
+    def _check_cache(self, cache: KVCache, ids: torch.Tensor) -> None:
+        """ValueErrors for a forward the KV cache cannot serve."""
+        check_cache_usable(self.training, self.sequence_parallel, self.cp)
+        if not (self.first and self.last):
+            raise ValueError(
+                "a KV cache needs the whole model on each rank: build TPGPT without `layers` "
+                "(pipeline stages) for generation"
+            )
+        if cache.capacity > self.config.seq_len:
+            raise ValueError(
+                f"KV cache capacity {cache.capacity} is more than the context length seq_len = "
+                f"{self.config.seq_len}: make it with KVCache.for_model(model, batch)"
+            )
+        if ids.dim() != 2 or ids.shape[0] != cache.batch or len(cache.k) != len(self.blocks):
+            raise ValueError(
+                f"the cache was made for {cache.batch} sequences and {len(cache.k)} layers; got "
+                f"ids of shape {tuple(ids.shape)} for {len(self.blocks)} layers: make it with "
+                "KVCache.for_model(model, batch)"
+            )
 
     def _mean(self, losses: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The mean loss over the counted tokens of the whole sequence. With context
@@ -374,12 +422,18 @@ class TPGPT(nn.Module):
         sq = torch.zeros((), dtype=torch.float64, device=next(self.parameters()).device)
         for name, p in self.named_parameters():
             if p.grad is not None and p is not skip:
-                copies = self._copies.get(name, self.tp)
-                if isinstance(copies, torch.Tensor) and copies.device != p.grad.device:
-                    # e.g. built on the CPU, then moved: build_model's .to(device())
-                    copies = self._copies[name] = copies.to(p.grad.device)
-                sq += (p.grad.double().square() / copies).sum()
+                sq += (p.grad.double().square() / self.copies_of(name)).sum()
         return sq
+
+    def copies_of(self, name: str) -> float | torch.Tensor:
+        """How many TP ranks hold each element of local parameter `name` (a number, or a
+        tensor of its shape for replicated KV heads), on the parameter's device."""
+        copies = self._copies.get(name, self.tp)
+        device = self.get_parameter(name).device
+        if isinstance(copies, torch.Tensor) and copies.device != device:
+            # e.g. built on the CPU, then moved: build_model's .to(device())
+            copies = self._copies[name] = copies.to(device)
+        return copies
 
     def _count_copies(self) -> dict[str, float | torch.Tensor]:
         """{local parameter name: ranks holding a copy}, from the shard map. Keyed by name,
@@ -387,6 +441,15 @@ class TPGPT(nn.Module):
         are on the device the model is built on; squared_grad_sum moves one to its gradient's
         device."""
         return {e.local: e.copies for e in shard_map(self)}
+
+    def grad_sync_params(self) -> list[nn.Parameter]:
+        """The parameters whose gradients `sync_grads` changes: every one with CP, else the
+        replicated KV heads' fused QKV (tp > n_kv_heads) and, with SP, the sequence-parallel
+        ones. A ZeRO wrapper reduce-scatters these over DP only after the fix-ups."""
+        if self.cp > 1:
+            return list(self.parameters())
+        out = [p for b in self.blocks if b.attn.kv_replicas > 1 for p in b.attn.qkv_params()]
+        return out + (sequence_parallel_params(self) if self.sequence_parallel else [])
 
     def sync_grads(self, sequence_parallel_grads: bool = True) -> None:
         """Gradient fix-ups TP needs after backward, over the TP group: replicated KV heads

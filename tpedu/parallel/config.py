@@ -12,10 +12,12 @@ under any other (lesson 13):
     sequence_parallel   norms, dropout, residuals on s/t positions between TP regions (lesson 08)
     recompute           "none", "selective" (attention core) or "full" (whole block) (lesson 09)
     overlap_comm        f's backward all-reduce overlapped with dL/dW (lesson 14)
-    zero                0, or 1: AdamW's states sharded over the DP ranks (lesson 11)
+    zero                ZeRO stage over the DP ranks (lesson 11): 0 none, 1 AdamW's states,
+                        2 and the gradients, 3 and the parameters (FSDP)
     cp, cp_strategy     context parallelism: the sequence split over cp ranks for the whole
     cp_layout           layer, "ring" or "ulysses" attention, "zigzag" or "contiguous" split
-                        (tpedu.cp; for now with tp only: pp = dp = 1). Ranks: tp fastest, then cp
+                        (tpedu.cp), with TP, PP and DP around it. Ranks: tp fastest, then cp,
+                        pp, dp (`Layout`)
 
 `model_options()` is what `TPGPT` takes of it: the model layer does not import this one.
 """
@@ -33,7 +35,7 @@ from tpedu.tp.sequence_parallel import check_sequence_length
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved")
 STAGE_SPLITS = ("even", "flops")
-ZERO_LEVELS = (0, 1)
+ZERO_LEVELS = (0, 1, 2, 3)
 CP_STRATEGIES = ("ring", "ulysses")
 
 
@@ -58,7 +60,7 @@ class ParallelConfig:
     cp_layout: str = "zigzag"
 
     def __post_init__(self) -> None:
-        Layout(self.tp, self.pp, self.dp)  # positive integers
+        Layout(self.tp, self.pp, self.dp)  # positive integers (cp: below)
         for name, choices in (
             ("schedule", SCHEDULES),
             ("stage_split", STAGE_SPLITS),
@@ -71,18 +73,13 @@ class ParallelConfig:
                 raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
         if not isinstance(self.cp, int) or self.cp < 1:
             raise ValueError(f"cp must be a positive integer, got {self.cp!r}")
-        if self.cp > 1 and (self.pp, self.dp, self.zero, self.chunks) != (1, 1, 0, 1):
-            raise ValueError(
-                f"cp = {self.cp} runs with tensor parallelism only for now: use pp = dp = 1, "
-                "no ZeRO (or cp = 1 with those)"
-            )
         if self.micro_batches is not None and self.micro_batches < 1:
             raise ValueError(f"micro_batches must be at least 1, got {self.micro_batches}")
         schedule(self.schedule, self.micro_batches or self.pp, self.pp, 0, self.chunks)
 
     @property
     def layout(self) -> Layout:
-        return Layout(self.tp, self.pp, self.dp)
+        return Layout(self.tp, self.pp, self.dp, self.cp)
 
     @property
     def world(self) -> int:

@@ -21,6 +21,7 @@ over equal-sized batches is the mean over the global batch.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
@@ -81,6 +82,8 @@ class DataParallel:
     Every DP rank must run the same backward (same graph), so buckets start in the same order.
     `reduce_dtype` (e.g. torch.bfloat16) sends the buckets in that dtype: half the bytes of
     fp32, and the sum of N replicas rounded at every step of the ring (lesson 15 measures it).
+    `events`: set it to a list to record ("launch <bucket>", perf_counter()) per all-reduce
+    started and ("finish", ...), ("finished", ...) around finish() (lesson 11's timeline).
     """
 
     def __init__(
@@ -99,6 +102,7 @@ class DataParallel:
             for b in assign_buckets([p.numel() for p in params], bucket_numel)
         ]
         self.launched: list[_Bucket] = []  # in launch order (the same on every DP rank)
+        self.events: list[tuple[str, float]] | None = None  # off unless the caller sets a list
         for bucket in self.buckets:
             for p in bucket.params:
                 p.register_post_accumulate_grad_hook(self._hook(bucket))
@@ -121,6 +125,8 @@ class DataParallel:
         if self.size > 1:
             bucket.work = collectives.all_reduce(bucket.buf, self.group, async_op=True)
         self.launched.append(bucket)
+        if self.events is not None:
+            self.events.append((f"launch {self.buckets.index(bucket)}", time.perf_counter()))
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -134,6 +140,8 @@ class DataParallel:
     def finish(self) -> None:
         """Start any bucket whose gradients never all arrived (unused parameters), wait for all,
         and write each averaged gradient back into .grad."""
+        if self.events is not None:
+            self.events.append(("finish", time.perf_counter()))
         for bucket in self.buckets:
             if bucket not in self.launched:
                 self._launch(bucket)
@@ -150,6 +158,8 @@ class DataParallel:
                 offset += p.numel()
             bucket.ready, bucket.buf, bucket.work = 0, None, None
         self.launched = []
+        if self.events is not None:
+            self.events.append(("finished", time.perf_counter()))
 
 
 class ZeRO1:

@@ -1,17 +1,20 @@
-"""Lesson 12: the 3D device mesh: which global ranks form each TP, PP and DP group.
+"""Lesson 12: the device mesh: which global ranks form each TP, CP, PP and DP group.
 
-A layout (tp, pp, dp) puts world = tp·pp·dp ranks on a grid. TP varies fastest, then PP, then
-DP:
+A layout (tp, pp, dp) puts world = tp·pp·dp ranks on a grid; context parallelism adds a fourth
+axis, cp (default 1). TP varies fastest, then CP, then PP, then DP:
 
-    rank = tp_rank + tp · (pp_rank + pp · dp_rank)
+    rank = tp_rank + tp · (cp_rank + cp · (pp_rank + pp · dp_rank))
 
 so the tp ranks of one TP group are consecutive global ranks: on a cluster they sit in one node
-(TP all-reduces run in every layer, forward and backward, and need the fastest links), while PP
-(point-to-point between neighbouring stages) and DP (one gradient all-reduce per step) cross
-nodes.
+(TP all-reduces run in every layer, forward and backward, and need the fastest links). CP comes
+next: its ring passes K/V chunks in every attention layer, forward and backward, less often than
+TP's all-reduces but far more than PP's point-to-point between neighbouring stages or DP's one
+gradient reduction per step, which cross nodes.
 
 Groups:
     tp   ranks that differ only in tp_rank (one pipeline stage of one replica)
+    cp   ranks that differ only in cp_rank (the sequence's chunks of one stage: their gradients
+         are summed, as each saw only its positions)
     pp   ranks that differ only in pp_rank (one pipeline: stage 0 → stage pp-1)
     dp   ranks that differ only in dp_rank (replicas of the same shard: gradients are averaged)
     emb  the first and last stage of one pipeline (same tp_rank, dp_rank), when pp > 1: the
@@ -27,6 +30,7 @@ reproduces it so lesson 12 can show the difference.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -37,76 +41,92 @@ from tpedu.tp.sharding import divisors
 
 @dataclass(frozen=True)
 class Layout:
-    """A (tp, pp, dp) layout of tp·pp·dp ranks; TP varies fastest, then PP, then DP."""
+    """A (tp, pp, dp) layout (and cp) of tp·cp·pp·dp ranks; TP varies fastest, then CP, PP, DP."""
 
     tp: int = 1
     pp: int = 1
     dp: int = 1
+    cp: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "dp"):
+        for name in ("tp", "pp", "dp", "cp"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
 
     @property
     def world(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
 
     def check_world(self, world: int) -> None:
         """Raise a ValueError if this layout does not use exactly `world` ranks."""
         if self.world != world:
+            sizes = f"{self.tp}·{self.pp}·{self.dp}" + (f"·{self.cp}" if self.cp > 1 else "")
             raise ValueError(
-                f"tp·pp·dp = {self.tp}·{self.pp}·{self.dp} = {self.world} does not match the "
-                f"world size {world}; choose tp, pp, dp whose product is {world} "
+                f"tp·pp·dp{'·cp' if self.cp > 1 else ''} = {sizes} = {self.world} does not "
+                f"match the world size {world}; choose sizes whose product is {world} "
                 f"(each a divisor of it: {', '.join(map(str, divisors(world)))})"
             )
 
     def coords(self, rank: int) -> tuple[int, int, int]:
-        """Global rank -> (tp_rank, pp_rank, dp_rank)."""
+        """Global rank -> (tp_rank, pp_rank, dp_rank) (its cp_rank: `cp_rank(rank)`)."""
         if not 0 <= rank < self.world:
             raise ValueError(f"rank {rank} is outside [0, {self.world})")
-        return rank % self.tp, (rank // self.tp) % self.pp, rank // (self.tp * self.pp)
+        rest = rank // (self.tp * self.cp)
+        return rank % self.tp, rest % self.pp, rest // self.pp
 
-    def rank(self, tp_rank: int, pp_rank: int, dp_rank: int) -> int:
-        """(tp_rank, pp_rank, dp_rank) -> global rank."""
-        return tp_rank + self.tp * (pp_rank + self.pp * dp_rank)
+    def cp_rank(self, rank: int) -> int:
+        """Global rank -> its position in its CP group."""
+        return (rank // self.tp) % self.cp
+
+    def rank(self, tp_rank: int, pp_rank: int, dp_rank: int, cp_rank: int = 0) -> int:
+        """(tp_rank, pp_rank, dp_rank, cp_rank) -> global rank."""
+        return tp_rank + self.tp * (cp_rank + self.cp * (pp_rank + self.pp * dp_rank))
+
+    def _groups(self, axis: str) -> list[list[int]]:
+        """Every group along `axis` (the ranks that differ only there), in a fixed order."""
+        sizes = {"tp": self.tp, "cp": self.cp, "pp": self.pp, "dp": self.dp}
+        others = [a for a in ("dp", "pp", "cp", "tp") if a != axis]  # slowest first
+        out = []
+        for fixed in itertools.product(*(range(sizes[a]) for a in others)):
+            at = dict(zip(others, fixed, strict=True))
+            out.append(
+                [
+                    self.rank(**{f"{a}_rank": at.get(a, i) for a in sizes})
+                    for i in range(sizes[axis])
+                ]
+            )
+        return out
 
     def tp_groups(self) -> list[list[int]]:
         """Every TP group (consecutive ranks), in a fixed order."""
-        return [
-            [self.rank(t, p, d) for t in range(self.tp)]
-            for d in range(self.dp)
-            for p in range(self.pp)
-        ]
+        return self._groups("tp")
+
+    def cp_groups(self) -> list[list[int]]:
+        """Every CP group (one per TP rank of each stage of each replica), in a fixed order."""
+        return self._groups("cp")
 
     def pp_groups(self) -> list[list[int]]:
         """Every pipeline (stage 0 first), in a fixed order."""
-        return [
-            [self.rank(t, p, d) for p in range(self.pp)]
-            for d in range(self.dp)
-            for t in range(self.tp)
-        ]
+        return self._groups("pp")
 
     def dp_groups(self) -> list[list[int]]:
         """Every set of replicas of one shard, in a fixed order."""
-        return [
-            [self.rank(t, p, d) for d in range(self.dp)]
-            for p in range(self.pp)
-            for t in range(self.tp)
-        ]
+        return self._groups("dp")
 
     def emb_groups(self) -> list[list[int]]:
         """[first stage, last stage] of every pipeline (empty when pp = 1: nothing to tie)."""
         return [[g[0], g[-1]] for g in self.pp_groups()] if self.pp > 1 else []
 
     def groups(self) -> dict[str, list[list[int]]]:
-        """{'tp': ..., 'pp': ..., 'dp': ..., 'emb': ...}: every group of every kind."""
-        return {
+        """{'tp': ..., 'pp': ..., 'dp': ..., 'emb': ...} (and 'cp' when cp > 1): every group of
+        every kind."""
+        out = {
             "tp": self.tp_groups(),
             "pp": self.pp_groups(),
             "dp": self.dp_groups(),
             "emb": self.emb_groups(),
         }
+        return out | ({"cp": self.cp_groups()} if self.cp > 1 else {})
 
 
 def rank_groups(tp: int, pp: int, dp: int) -> dict[str, list[list[int]]]:
@@ -134,6 +154,7 @@ class Mesh:
         self.layout = layout
         self.rank = dist.get_rank()
         self.tp_rank, self.pp_rank, self.dp_rank = layout.coords(self.rank)
+        self.cp_rank = layout.cp_rank(self.rank)
         self.groups: dict[str, dist.ProcessGroup] = {}
         self.members: dict[str, list[int]] = {}
         # Gradients travel backwards on their own group (channel), so an activation and a
@@ -142,21 +163,23 @@ class Mesh:
         # its own groups too: at pp = 2 it runs opposite to the 0 -> 1 edge, and two ranks
         # sending to each other on one NCCL communicator can each wait for the other forever.
         pp = layout.pp_groups()
-        kinds = {**layout.groups(), "pp_grad": pp, "pp_wrap": pp, "pp_grad_wrap": pp}
-        for kind in ("tp", "pp", "pp_grad", "pp_wrap", "pp_grad_wrap", "dp", "emb"):
+        kinds = {"cp": [], **layout.groups(), "pp_grad": pp, "pp_wrap": pp, "pp_grad_wrap": pp}
+        for kind in ("tp", "pp", "pp_grad", "pp_wrap", "pp_grad_wrap", "dp", "emb", "cp"):
             for ranks in kinds[kind]:
                 g = dist.new_group(ranks)  # collective: every rank, every group, same order
                 if self.rank in ranks:
                     name = "pp" if kind.startswith("pp") else kind
                     self.groups[kind] = collectives.name_group(g, name)
                     self.members[kind] = ranks
-        self.groups.setdefault("emb", None)
-        self.members.setdefault("emb", [])
+        for kind in ("emb", "cp"):  # none: no tied copies to sum, no context parallelism
+            self.groups.setdefault(kind, None)
+            self.members.setdefault(kind, [])
 
     tp_group = property(lambda self: self.groups["tp"])
     pp_group = property(lambda self: self.groups["pp"])
     dp_group = property(lambda self: self.groups["dp"])
     emb_group = property(lambda self: self.groups["emb"])
+    cp_group = property(lambda self: self.groups["cp"])
 
     @property
     def first_stage(self) -> bool:
@@ -170,7 +193,9 @@ class Mesh:
         lay = self.layout
         return (
             f"Mesh(rank {self.rank}: tp {self.tp_rank}/{lay.tp}, pp {self.pp_rank}/{lay.pp}, "
-            f"dp {self.dp_rank}/{lay.dp})"
+            f"dp {self.dp_rank}/{lay.dp}"
+            + (f", cp {self.cp_rank}/{lay.cp}" if lay.cp > 1 else "")
+            + ")"
         )
 
 

@@ -37,12 +37,14 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from tpedu.comm import collectives
 from tpedu.tp.dense import ATTENTION_DROPOUT_SITE, attend
 from tpedu.tp.dropout import derive_seed, index_dropout
+from tpedu.tp.kv_cache import LayerCache, check_cache_usable
 from tpedu.tp.layers import RowParallelLinear, column_parallel_linear
 from tpedu.tp.rope import apply_rope
 from tpedu.tp.sequence_parallel import all_gather_linear
@@ -217,15 +219,25 @@ class ParallelAttention(nn.Module):
         return rows
 
     def forward(
-        self, x: torch.Tensor, step: int = 0, positions: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        step: int = 0,
+        positions: torch.Tensor | None = None,
+        cache: LayerCache | None = None,
     ) -> torch.Tensor:
         """x [b, s, H] -> [b, s, H] (sequence_parallel: [b, s/t, H] -> [b, s/t, H]).
 
         `step` selects this step's dropout mask. `positions` [cp, s] (context parallelism: every
         CP rank's global positions, the same on all; x holds this rank's): RoPE at the global
         positions, and the core is `self.cp_attention` over `self.cp_group` (tpedu.cp).
+        `cache` (inference, tpedu.tp.kv_cache): x holds s new tokens per sequence; their K
+        and V (this rank's KV heads only) join the cache and the queries attend to every cached
+        position up to their own. Still 1 all-reduce of b·s·H (s = 1 per decoded token).
         """
         nq, nkv, d = len(self.q_heads), len(self.kv_heads), self.head_dim
+        if cache is not None:
+            cp = 1 if self.cp_group is None else dist.get_world_size(self.cp_group)
+            check_cache_usable(self.training, self.sequence_parallel, cp)
         if self.sequence_parallel:  # all-gather the sequence; backward: reduce-scatter
             qkv = all_gather_linear(x, [self.qkv_weight], [self.qkv_bias], self.group)[0]
         else:
@@ -242,8 +254,13 @@ class ParallelAttention(nn.Module):
         k = k.view(b, s, nkv, d).transpose(1, 2)
         v = v.view(b, s, nkv, d).transpose(1, 2)
         mine = None if positions is None else positions[dist.get_rank(self.cp_group)]
+        if cache is not None:  # [b, s]: each sequence's own positions
+            mine = cache.positions(s)
         if self.rope_theta is not None:
             q, k = apply_rope(q, self.rope_theta, mine), apply_rope(k, self.rope_theta, mine)
+        if cache is not None:
+            k, v, mask = cache.update(k, v, mine)  # [b, nkv_r, L, d], mask [b, 1, s, L]
+            return self.out_proj(self._cached_core(q, k, v, mask))
         if positions is not None:  # context parallel: the core spans every CP rank's positions
             out = self.cp_attention(q, k, v, positions, self.cp_group)
             return self.out_proj(out.transpose(1, 2).reshape(b, s, nq * d))
@@ -276,6 +293,26 @@ class ParallelAttention(nn.Module):
         drops = self.training and self.dropout_p > 0  # else attend() may use the fused kernel
         out = attend(q, k, v, self.causal, self.fused, drop if drops else None)
         return out.transpose(1, 2).reshape(b, s, nq * d)  # heads stay in rank order
+
+    def _cached_core(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """Attention of s new queries q [b, nq/t, s, d] over the cached k, v [b, nkv_r, L, d];
+        mask [b, 1, s, L] (True: visible) -> [b, s, nq/t·d]. No communication, no dropout."""
+        b, nq, s, d = q.shape
+        if nq != k.shape[1]:
+            k = k.repeat_interleave(nq // k.shape[1], dim=1)
+            v = v.repeat_interleave(nq // v.shape[1], dim=1)
+        if self.fused:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        else:
+            scores = (q @ k.transpose(-2, -1) / d**0.5).masked_fill(~mask, float("-inf"))
+            out = scores.softmax(dim=-1) @ v
+        return out.transpose(1, 2).reshape(b, s, nq * d)
+
+    def qkv_params(self) -> list[nn.Parameter]:
+        """The fused QKV weight (and bias): what all_reduce_replicated_kv_grads touches."""
+        return [p for p in (self.qkv_weight, self.qkv_bias) if p is not None]
 
     def all_reduce_replicated_kv_grads(self) -> None:
         """Sum the partial gradients of replicated KV heads over their replicas (in place).

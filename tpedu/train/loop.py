@@ -15,6 +15,7 @@ Saved models are a directory: `config.json` (model + training settings), `tokeni
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -42,9 +43,11 @@ from tpedu.parallel.pipeline.runtime import (
     StepResult,
     run_schedule,
     sync_tied_grads,
+    tied_params,
 )
 from tpedu.parallel.pipeline.schedules import schedule as pipeline_schedule
 from tpedu.parallel.pipeline.schedules import stage_layers, stage_of
+from tpedu.parallel.zero import ShardedDataParallel
 from tpedu.tp.sharding import divisors
 from tpedu.train.data.batches import packed_batch
 from tpedu.train.precision import DTYPES, LossScaler, autocast, make_scaler
@@ -90,17 +93,18 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 def context_parallel_groups(
     parallel: ParallelConfig,
 ) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
-    """(this rank's TP group, its CP group) for tp·cp ranks, tp fastest: rank = tp_rank +
-    tp · cp_rank, so a TP group is consecutive ranks (one node) and a CP group strides over
-    them. (None, None) without context parallelism: TP over the whole world. Collective."""
+    """(this rank's TP group, its CP group) for tp·cp ranks, the mesh's order (tp fastest), so
+    a TP group is consecutive ranks (one node) and a CP group strides over them. (None, None)
+    without context parallelism: TP over the whole world. Collective."""
     if parallel.cp == 1:
         return None, None
-    tp, world, rank = parallel.tp, dist.get_world_size(), dist.get_rank()
-    tps = [dist.new_group(list(range(c, c + tp))) for c in range(0, world, tp)]
-    cps = [dist.new_group(list(range(t, world, tp))) for t in range(tp)]
-    return collectives.name_group(tps[rank // tp], "tp"), collectives.name_group(
-        cps[rank % tp], "cp"
-    )
+    rank, mine = dist.get_rank(), []
+    for name, groups in (("tp", parallel.layout.tp_groups()), ("cp", parallel.layout.cp_groups())):
+        for ranks in groups:
+            g = dist.new_group(ranks)  # collective: every rank creates every group
+            if rank in ranks:
+                mine.append(collectives.name_group(g, name))
+    return mine[0], mine[1]
 
 
 def build_model(
@@ -125,15 +129,48 @@ def count_parameters(config: GPTConfig) -> int:
         return sum(p.numel() for p in DenseGPT(config).parameters())
 
 
+def decayed(p: torch.nn.Parameter) -> bool:
+    """Whether AdamW decays p: matrices yes; norms and biases no."""
+    return p.dim() >= 2
+
+
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
     """AdamW; weight decay on matrices only (not on norms, biases)."""
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    other = [p for p in model.parameters() if p.dim() < 2]
+    decay = [p for p in model.parameters() if decayed(p)]
+    other = [p for p in model.parameters() if not decayed(p)]
     groups = [
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": other, "weight_decay": 0.0},
     ]
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95))
+
+
+def make_sharded(
+    chunks: Sequence[TPGPT], cfg: TrainConfig, level: int, mesh: Mesh
+) -> ShardedDataParallel:
+    """ZeRO-2/3 over the DP group for this rank's chunks: AdamW as make_optimizer's; the
+    gradients TP and the tied embedding fix up are reduce-scattered after the fix-ups; the
+    gradient norm weighs each element as TPGPT.squared_grad_sum does (a tied head's second copy
+    left out, as grad_norm_3d leaves it)."""
+
+    def weight_of(chunk: TPGPT, name: str) -> float | torch.Tensor:
+        if name == "lm_head.weight" and chunk.config.tie_embeddings:
+            return 0.0
+        return 1.0 / chunk.copies_of(name)
+
+    defer = [p for c in chunks for p in c.grad_sync_params()] + tied_params(chunks)
+    return ShardedDataParallel(
+        chunks,
+        mesh.dp_group,
+        level,
+        decay=decayed,
+        weight_of=weight_of,
+        defer=defer,
+        reduce_dtype=DTYPES[cfg.dtype] if cfg.grad_reduce == "low" else None,
+        lr=cfg.lr,
+        betas=(0.9, 0.95),
+        weight_decay=cfg.weight_decay,
+    )
 
 
 def make_stage_optimizer(
@@ -375,17 +412,28 @@ def grad_norm_3d(chunks: Sequence[TPGPT], mesh: Mesh) -> torch.Tensor:
     return collectives.all_reduce(sq, mesh.pp_group).sqrt()
 
 
+def grad_norm_sharded(sharded: ShardedDataParallel, mesh: Mesh) -> torch.Tensor:
+    """grad_norm_3d's norm from ZeRO-2/3's gradient shards: each DP rank holds 1/N of every
+    element, so the DP group sums too. 3 small all-reduces (DP, TP, PP)."""
+    sq = sharded.squared_grad_sum()
+    for group in (mesh.dp_group, mesh.tp_group, mesh.pp_group):
+        collectives.all_reduce(sq, group)
+    return sq.sqrt()
+
+
 def replica_mean(value: torch.Tensor | None, mesh: Mesh) -> float:
-    """The last stage's loss, averaged over DP replicas, on every rank (1 world all-reduce)."""
+    """The last stage's loss, averaged over DP replicas, on every rank (1 world all-reduce).
+    TP and CP ranks of a stage hold the same loss (CP's is already the whole sequence's mean):
+    only the first of each adds it."""
     t = torch.zeros((), dtype=torch.float64, device=device())
-    if value is not None and mesh.tp_rank == 0:
+    if value is not None and mesh.tp_rank == 0 and mesh.cp_rank == 0:
         t += value.double()
     return collectives.all_reduce(t).item() / mesh.layout.dp
 
 
 def step_3d(
     chunks: list[TPGPT],
-    opt: torch.optim.Optimizer,
+    opt: torch.optim.Optimizer | ShardedDataParallel,
     mesh: Mesh,
     pipe: Pipe,
     acts: list,
@@ -393,7 +441,7 @@ def step_3d(
     ys: list[torch.Tensor],
     shape: tuple,
     dtype: torch.dtype,
-    dpar: DataParallel | None,
+    dpar: DataParallel | ShardedDataParallel | None,
     max_norm: float,
     step: int = 0,
     precision: str = "fp32",
@@ -415,15 +463,21 @@ def step_3d(
         res = run_schedule(
             chunks, acts, pipe, xs, ys, shape, dtype, step=step, no_sync=no_sync, loss_scale=scale
         )
-    if dpar is not None:
+    sharded = isinstance(dpar, ShardedDataParallel)
+    if dpar is not None and not sharded:
         dpar.finish()
     sync_tied_grads(chunks, mesh.emb_group)
     for chunk in chunks:
         chunk.sync_grads()
-    if finish_scaled(scaler, (p for chunk in chunks for p in chunk.parameters())):
+    if sharded:  # ZeRO-2/3 drop full gradients once reduce-scattered: fix-ups come first
+        dpar.finish()
+        grads = dpar.shards()
+    else:
+        grads = [p for chunk in chunks for p in chunk.parameters()]
+    if finish_scaled(scaler, grads):
         return res, torch.tensor(math.inf)
-    norm = grad_norm_3d(chunks, mesh)
-    clip_grads((p for chunk in chunks for p in chunk.parameters()), norm, max_norm)
+    norm = grad_norm_sharded(dpar, mesh) if sharded else grad_norm_3d(chunks, mesh)
+    clip_grads(grads, norm, max_norm)
     opt.step()
     return res, norm
 
@@ -468,20 +522,25 @@ def _train_3d(
     forward_only = [("F", j, c) for c in range(v) for j in range(m)]
     parts = stage_layers(config, pp * v, parallel.stage_split)
     mine = [parts[c * pp + mesh.pp_rank] for c in range(v)]  # virtual stage c·pp + pp_rank
-    models = build_sharded(config, mesh.tp_group, mine, cfg.seed, **parallel.model_options())
+    options = parallel.model_options() | ({"cp_group": mesh.cp_group} if parallel.cp > 1 else {})
+    models = build_sharded(config, mesh.tp_group, mine, cfg.seed, **options)
     chunks = [c.to(device()) for c in models]  # this rank's model chunks
     stage = torch.nn.ModuleList(chunks)  # all of this rank's parameters
     low = DTYPES[cfg.dtype] if cfg.grad_reduce == "low" else None
-    dpar = DataParallel(stage, mesh.dp_group, reduce_dtype=low) if dp > 1 else None
-    opt = make_stage_optimizer(stage, cfg, zero, mesh.dp_group)
     scaler = make_scaler(cfg.dtype, cfg.loss_scale, cfg.loss_scale_window)
+    if zero >= 2:  # one object reduces the gradients and steps the shards
+        dpar = opt = make_sharded(chunks, cfg, zero, mesh)
+    else:
+        dpar = DataParallel(stage, mesh.dp_group, reduce_dtype=low) if dp > 1 else None
+        opt = make_stage_optimizer(stage, cfg, zero, mesh.dp_group)
     first = resume_from(cfg, chunks, opt, scaler)  # 0 unless cfg.resume
     pipe = Pipe.from_mesh(mesh)
-    seq = config.seq_len // (tp if parallel.sequence_parallel else 1)
+    seq = config.seq_len // (tp if parallel.sequence_parallel else parallel.cp)
     shape, dtype = (b // m, seq, config.hidden), next(stage.parameters()).dtype
 
     def micro(ids: torch.Tensor, step: int, seed: int) -> tuple[list, list]:
         x, y = packed_batch(ids, b, config.seq_len, step, seed, mesh.dp_rank, dp)
+        x, y = chunks[0].local_sequence(x), chunks[0].local_sequence(y)  # CP: this rank's part
         return list(x.to(device()).chunk(m)), list(y.to(device()).chunk(m))
 
     @torch.no_grad()
@@ -521,7 +580,7 @@ def _train_3d(
     losses, history, seconds = run_loop(
         cfg,
         first,
-        f"train tp={tp} pp={pp} dp={dp}",
+        f"train tp={tp} pp={pp} dp={dp}" + (f" cp={parallel.cp}" if parallel.cp > 1 else ""),
         step,
         evaluate=evaluate_3d,
         save=lambda k: save_if_due(
@@ -540,8 +599,10 @@ def _train_3d(
         tp=tp,
         pp=pp,
         dp=dp,
+        cp=parallel.cp,
         micro_batches=m,
-        zero1=bool(zero),
+        zero1=zero == 1,
+        zero=zero,
         schedule=kind,
         chunks=v,
         stages=stages,
@@ -549,7 +610,8 @@ def _train_3d(
     if scaler is not None:
         summary["loss_scale"] = scaler.state_dict()
     if out is not None:
-        state = gather_pipeline_state(chunks, mesh, parallel.stage_split)
+        with opt.gathered() if zero >= 2 else contextlib.nullcontext():
+            state = gather_pipeline_state(chunks, mesh, parallel.stage_split)
         _write_dense(state, config, cfg, out, tok)
     return summary
 

@@ -217,15 +217,23 @@ def build_stage_chunks(
     ]
 
 
+def tied_params(chunks: Sequence[nn.Module]) -> list[nn.Parameter]:
+    """This rank's copies of a tied embedding split over stages: the first stage's table and/or
+    the last stage's head ([] when untied, or when one chunk holds both ends)."""
+    first = next((m for m in chunks if m.first and not m.last), None)
+    last = next((m for m in chunks if m.last and not m.first), None)
+    if not chunks[0].config.tie_embeddings:
+        return []
+    return [m.tok_emb.weight for m in (first,) if m] + [m.lm_head.weight for m in (last,) if m]
+
+
 def sync_tied_grads(chunks: Sequence[nn.Module], emb_group: dist.ProcessGroup | None) -> None:
     """Sum the gradients of the tied embedding's two copies (first stage's table, last stage's
     head). Both on this rank (one stage, several chunks): added locally; else 1 all-reduce over
     the emb group ([first stage, last stage]) of the table (its vocab shard). No-op if untied."""
-    first = next((m for m in chunks if m.first and not m.last), None)
-    last = next((m for m in chunks if m.last and not m.first), None)
-    if not chunks[0].config.tie_embeddings or (first is None and last is None):
+    params = tied_params(chunks)
+    if not params:
         return
-    params = [m.tok_emb.weight for m in (first,) if m] + [m.lm_head.weight for m in (last,) if m]
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)

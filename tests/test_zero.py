@@ -1,0 +1,186 @@
+"""ZeRO-2 and ZeRO-3 (FSDP): training equals one process (and plain DP) step by step, with TP
+and PP around it; the traffic and the memory per rank equal the formulas; checkpoints move
+between ZeRO stages.
+
+float64 runs (F64, as tests/test_train_3d.py): a reduce-scatter sums in another order than an
+all-reduce (≈1e-16 relative per sum), so 1e-10 relative after 3 AdamW steps is sharp; a missing
+1/N or a shard updated twice moves the gradient norm by a factor, far outside it.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+
+from tests.test_train_3d import CFG, CONFIG, F64, V, check, data, f64
+from tpedu import launch
+from tpedu.comm.tracer import CommTracer
+from tpedu.model.config import GPTConfig
+from tpedu.model.sharded_init import build_sharded
+from tpedu.parallel.config import ParallelConfig
+from tpedu.parallel.mesh import Layout, Mesh
+from tpedu.train.data.batches import packed_batch
+from tpedu.train.loop import TrainConfig, make_sharded, train
+
+# Llama-style, one KV head over tp = 2 (replicated KV heads), sequence parallel: the gradient
+# fix-ups ZeRO must run before it reduce-scatters (deferred buffers).
+GQA = GPTConfig.llama_like(V, seq_len=8, n_layers=2, hidden=16, n_heads=2, n_kv_heads=1)
+DEEP = dataclasses.replace(CONFIG, n_layers=4)  # a peak of 2 of 4 blocks shows the frees
+
+
+@pytest.fixture(scope="module")
+def one_process():
+    tr, va = data()
+    return {c.norm: launch(f64, 1, train, c, CFG, tr, va)[0] for c in (CONFIG, GQA)}
+
+
+def run(layout, config=CONFIG, cfg=CFG, **kw):
+    tr, va = data()
+    parallel = ParallelConfig(*layout, **kw)
+    return launch(f64, parallel.world, train, config, cfg, tr, va, parallel=parallel)
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+@pytest.mark.parametrize("layout", [(1, 1, 2), (1, 1, 4), (2, 1, 2), (1, 2, 2)])
+def test_zero_trains_like_one_process(one_process, zero, layout):
+    """dp 2 and 4; FSDP × TP (tp 2 × dp 2); with a pipeline (pp 2 × dp 2, tied embedding over
+    the stages): losses, gradient norms and validation losses of every step (F64)."""
+    results = run(layout, zero=zero)
+    assert all(r["losses"] == results[0]["losses"] for r in results)
+    check(results[0], one_process["layernorm"], f"zero={zero} {layout}", rel=F64)
+
+
+def test_zero3_with_replicated_kv_heads_and_sequence_parallelism(one_process):
+    results = run((2, 1, 2), GQA, zero=3, sequence_parallel=True)
+    check(results[0], one_process["rmsnorm"], "zero=3 GQA + SP", rel=F64)
+
+
+def test_zero_equals_plain_data_parallel_step_by_step():
+    """The same run at ZeRO 0, 2 and 3 (dp 2): the same numbers to rounding."""
+    base = run((1, 1, 2))[0]
+    for zero in (2, 3):
+        check(run((1, 1, 2), zero=zero)[0], base, f"zero={zero} vs DP", rel=F64)
+
+
+def one_step(level: int, dp: int, prefetch: bool = True) -> dict:
+    """One step of a dp-rank ZeRO run, traced and measured (a launched rank's function)."""
+    torch.set_default_dtype(torch.float64)
+    mesh = Mesh(Layout(1, 1, dp))
+    model = build_sharded(DEEP, mesh.tp_group, seed=0)[0]
+    psi = sum(p.numel() for p in model.parameters())
+    sdp = make_sharded([model], TrainConfig(), level, mesh)
+    sdp.prefetch = prefetch
+    at_rest = sdp.gathered_bytes()
+    x, y = packed_batch(data()[0], 4 // dp, DEEP.seq_len, 0, 0, mesh.dp_rank, dp)
+    with CommTracer() as t:
+        model(x, y).backward()
+        sdp.finish()
+        full_grads = [p.grad is not None for p in model.parameters()]
+        sdp.step()
+    blocks = [b for u in sdp.blocks for b in u.buffers]
+    roots = [b for u in sdp.roots for b in u.buffers]
+    return {
+        "psi": psi,
+        "padded": sum(b.n * b.size for b in sdp.buffers),
+        "padded_blocks": sum(b.n * b.size for b in blocks),
+        "shard": sum(b.shard.numel() for b in sdp.buffers),
+        "shard_grads": sum(b.shard.grad.numel() for b in sdp.buffers),
+        "state": sdp.state_numel(),
+        "full_grads": any(full_grads),
+        "at_rest": at_rest,
+        "after_step": sdp.gathered_bytes(),
+        "peak": sdp.peak_gathered,
+        "block_bytes": sum(b.nbytes for b in sdp.blocks[0].buffers),
+        "root_bytes": sum(b.nbytes for b in roots),
+        "rs": t.numel("reduce_scatter"),
+        "ag": t.numel("all_gather"),
+        "ag_backward": t.numel("all_gather", phase="backward"),
+        "ar": t.numel("all_reduce"),
+        "loss_after": model(x, y).item(),
+    }
+
+
+@pytest.mark.parametrize("dp", [2, 4])
+def test_traffic_and_memory_per_rank_equal_the_formulas(dp):
+    """Elements per step: ZeRO-2 reduce-scatters and all-gathers Ψ (padded to N per buffer):
+    DP's all-reduce of Ψ, in two halves; ZeRO-3 all-gathers the blocks a second time in
+    backward. Memory: gradients and AdamW states are 1/N on every rank, no full gradient
+    survives finish(); ZeRO-3 holds no whole parameter at rest, and at most the root (embeddings,
+    head) and two blocks (the current and the prefetched one) during the step."""
+    z2, z3 = (launch(one_step, dp, level, dp)[0] for level in (2, 3))
+    for z in (z2, z3):
+        assert z["psi"] <= z["padded"] < z["psi"] + 8 * dp  # ≤ N-1 pad elements per buffer
+        assert z["shard"] == z["shard_grads"] == z["padded"] // dp
+        assert z["state"] == 2 * z["padded"] // dp  # AdamW: exp_avg, exp_avg_sq
+        assert not z["full_grads"]
+        assert z["rs"] == z["padded"]
+    assert z2["ag"] == z2["padded"] and z2["ag_backward"] == 0
+    assert z3["ag"] == z3["padded"] + z3["padded_blocks"]
+    assert z3["ag_backward"] == z3["padded_blocks"]
+    ratio = (z3["rs"] + z3["ag"]) / (z2["rs"] + z2["ag"])
+    assert ratio == pytest.approx(1 + z3["padded_blocks"] / (2 * z3["padded"]))
+    assert z2["at_rest"] == 8 * z2["padded"]  # float64: ZeRO-2 keeps whole parameters
+    assert z3["at_rest"] == z3["after_step"] == 0
+    assert z3["peak"] == z3["root_bytes"] + 2 * z3["block_bytes"]
+
+
+def test_checkpoints_move_between_zero_stages(tmp_path):
+    """Saved at step 3 of 5 under ZeRO-3 (dp 2), resumed by one process and by ZeRO-2 (dp 2);
+    saved under ZeRO-1, resumed by ZeRO-3: each continues like the straight run."""
+    five = dataclasses.replace(CFG, steps=5, eval_every=5)
+    straight = run((1, 1, 1), cfg=five)[0]["losses"]
+    for zero, resumes in ((3, [(1, 1, 1, 0), (1, 1, 2, 2)]), (1, [(1, 1, 2, 3)])):
+        root = tmp_path / f"zero{zero}"
+        run((1, 1, 2), cfg=dataclasses.replace(five, ckpt_dir=str(root), save_every=3), zero=zero)
+        for *layout, z in resumes:
+            cfg = dataclasses.replace(five, resume=str(root / "step_00000003"))
+            losses = run(tuple(layout), cfg=cfg, zero=z)[0]["losses"]
+            assert losses == pytest.approx(straight[3:], rel=F64), (zero, layout, z)
+
+
+def test_zero_stage_errors_are_clear():
+    with pytest.raises(ValueError, match=r"zero must be one of \(0, 1, 2, 3\), got 4"):
+        ParallelConfig(dp=2, zero=4)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_mixed_precision_under_zero_matches_plain_dp(dtype):
+    """bf16 / fp16 autocast with fp32 master shards (fp16: the loss scaler sees the shards'
+    gradients; an overflow on any rank's shard skips the step everywhere). Against plain DP at
+    the same dtype the compute is identical and only the sum of 2 replicas' gradients is done by
+    another collective (exact for 2 terms), so float32 agreement to 1e-6 is a loose bound."""
+    tr, va = data()
+    cfg = dataclasses.replace(CFG, dtype=dtype, loss_scale=2.0**4)
+    runs = {
+        zero: launch(train, 2, CONFIG, cfg, tr, va, parallel=ParallelConfig(dp=2, zero=zero))[0]
+        for zero in (0, 2, 3)
+    }
+    for zero in (2, 3):
+        check(runs[zero], runs[0], f"{dtype} zero={zero}", rel=1e-6)
+        if dtype == "fp16":
+            assert runs[zero]["loss_scale"] == runs[0]["loss_scale"]
+
+
+def test_dry_run_refuses_zero_2_and_3():
+    from tpedu.analysis.dryrun import check_setup
+
+    with pytest.raises(ValueError, match="the dry run measures ZeRO stages 0 and 1, not 3"):
+        check_setup(CONFIG, ParallelConfig(dp=2, zero=3), 4)
+
+
+def test_without_prefetch_zero3_holds_one_block_and_computes_the_same():
+    """prefetch=False gathers a block only when it runs: the peak drops to the root and one
+    block, the traffic and the numbers stay (prefetching changes when, not what)."""
+    on, off = (launch(one_step, 2, 3, 2, prefetch)[0] for prefetch in (True, False))
+    assert off["peak"] == off["root_bytes"] + off["block_bytes"] < on["peak"]
+    assert (off["ag"], off["rs"]) == (on["ag"], on["rs"])
+    assert off["loss_after"] == on["loss_after"]
+
+
+def test_zero3_under_the_interleaved_schedule_trains_like_one_process():
+    """2 chunks per pipeline rank (4 blocks over 2 stages) × dp 2: each chunk's blocks are
+    gathered, freed and prefetched within the chunk, micro-batch by micro-batch."""
+    tr, va = data()
+    ref = launch(f64, 1, train, DEEP, CFG, tr, va)[0]
+    results = run((1, 2, 2), DEEP, zero=3, schedule="interleaved", chunks=2)
+    check(results[0], ref, "zero=3 interleaved", rel=F64)

@@ -1,0 +1,446 @@
+"""Lesson 11: ZeRO-2 and ZeRO-3 (FSDP): the gradients, then the parameters too, sharded over DP.
+
+    ShardedDataParallel(chunks, group, level=2)   ZeRO-2: gradients and AdamW states sharded
+    ShardedDataParallel(chunks, group, level=3)   ZeRO-3 / FSDP: the parameters as well
+
+It is both the gradient reducer (like DataParallel: `no_sync()`, `finish()`) and the optimizer
+(AdamW over this rank's shards: `param_groups`, `zero_grad()`, `step()`).
+
+Flat buffers. The parameters of a *unit* (one transformer block, or the rest of a chunk:
+embeddings, final norm, head) lie end to end in one flat buffer padded to a multiple of N, the
+DP size; DP rank r owns elements [r·n, (r+1)·n), n = padded / N, as an fp32 `shard`. Matrices
+and vectors get separate buffers, so AdamW's weight decay applies to whole shards. Every
+parameter is a view into its buffer: one all-gather into the buffer updates (ZeRO-2) or
+restores (ZeRO-3) all of the unit's parameters at once.
+
+Per step:
+  ZeRO-2  backward: as a buffer's gradients complete, an async reduce-scatter hands each owner
+          the sum of its elements (then /N into shard.grad) and the full gradients are dropped.
+          step(): AdamW on the shards, then one all-gather per buffer refreshes every replica.
+  ZeRO-3  at rest a block keeps only its shard (the buffer's storage is resized to 0; autograd's
+          saved views of it stay valid and see the data again once it is re-gathered). Before a
+          block's forward its buffers are all-gathered (and the next block's all-gather is
+          started, asynchronously: prefetch), after it freed; before its backward gathered again
+          (prefetching the block before it), after it reduce-scattered as in ZeRO-2 and freed.
+          The rest-unit stays gathered from the chunk's forward to the step, as FSDP2 keeps its
+          root module: the head's backward comes straight after its forward.
+Elements sent per rank per step (ring, Ψ parameters): ZeRO-2 a reduce-scatter and an all-gather
+of Ψ, (N-1)/N each: DP's all-reduce, 2·(N-1)/N·Ψ. ZeRO-3 adds the blocks' second all-gather:
+(N-1)/N·(2Ψ + Ψ_blocks), 1.5× DP when the blocks hold nearly all parameters.
+
+Gradient fix-ups (TP's replicated-parameter sums, the tied embedding's) run over other groups
+and need the full gradient, so the parameters they touch (`defer`) are reduce-scattered only in
+finish(), which the caller runs after the fix-ups. Everything else overlaps with backward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import time
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tpedu.comm import collectives
+
+LEVELS = (2, 3)
+
+
+class FlatBuffer:
+    """Parameters (one unit, one weight-decay class) flattened into one buffer, N-way sharded.
+
+    full [N·n]: the parameters are views into it; shard [n]: this rank's slice, what AdamW
+    updates; grad_weight [n]: 1 / (ranks holding a copy) per element, 0 for padding and for
+    elements the gradient norm leaves out (a tied head's second copy). `log`: set it to a list
+    to record ("gather" | "free", self, perf_counter()) when the buffer's memory comes and goes
+    (lesson 11's timeline)."""
+
+    def __init__(
+        self,
+        params: list[nn.Parameter],
+        weights: list[torch.Tensor | float],
+        group: dist.ProcessGroup | None,
+        reduce_dtype: torch.dtype | None,
+        decayed: bool,
+    ) -> None:
+        self.params, self.group, self.reduce_dtype = params, group, reduce_dtype
+        self.decayed = decayed  # whether AdamW decays this buffer's shard
+        self.size, rank = dist.get_world_size(group), dist.get_rank(group)
+        total = sum(p.numel() for p in params)
+        self.n = -(-total // self.size)  # ceil: padded to a multiple of N
+        ref = params[0]
+        self.full = torch.zeros(self.n * self.size, dtype=ref.dtype, device=ref.device)
+        weight = torch.zeros(self.n * self.size, dtype=torch.float64, device=ref.device)
+        self.slices, offset = [], 0
+        with torch.no_grad():
+            for p, w in zip(params, weights, strict=True):
+                piece = slice(offset, offset + p.numel())
+                self.full[piece].copy_(p.reshape(-1))
+                weight[piece] = torch.as_tensor(w, dtype=torch.float64).expand(p.shape).reshape(-1)
+                p.data = self.full[piece].view_as(p)  # the parameter now lives in the buffer
+                self.slices.append(piece)
+                offset += p.numel()
+        mine = slice(rank * self.n, (rank + 1) * self.n)
+        self.shard = nn.Parameter(self.full[mine].clone())
+        self.grad_weight = weight[mine].clone()
+        self.mine = mine
+        self.nbytes = self.full.untyped_storage().nbytes()
+        self.gathered, self.gather_work = True, None
+        self.waited = 0.0  # seconds spent blocked on this buffer's all-gathers
+        self.ready, self.grad_out, self.grad_work = 0, None, None
+        self.log: list[tuple[str, FlatBuffer, float]] | None = None
+
+    # ZeRO-3's rhythm: gather before use, free after.
+    def gather(self, async_op: bool = False) -> None:
+        """All-gather the shards into the buffer (no-op if it is already there or coming)."""
+        if self.gathered or self.gather_work is not None:
+            if not async_op:
+                self.wait_gather()
+            return
+        self.full.untyped_storage().resize_(self.nbytes)
+        if self.log is not None:
+            self.log.append(("gather", self, time.perf_counter()))
+        self.gather_work = collectives.all_gather_into(  # waited for below or when needed
+            self.full, self.shard.detach(), self.group, async_op=True
+        )
+        if not async_op:
+            self.wait_gather()
+
+    def wait_gather(self) -> None:
+        if self.gather_work is not None:
+            start = time.perf_counter()
+            self.gather_work.wait()  # exposed communication: compute waits for it here
+            self.waited += time.perf_counter() - start
+            self.gather_work = None
+        self.gathered = True
+
+    def free(self) -> None:
+        """Drop the full buffer's memory (the parameters keep their shapes, not their data)."""
+        if self.log is not None and (self.gathered or self.gather_work is not None):
+            self.log.append(("free", self, time.perf_counter()))
+        self.wait_gather()
+        self.full.untyped_storage().resize_(0)
+        self.gathered = False
+
+    # Gradients: full per-parameter .grad -> this rank's summed shard.
+    def reduce_grads(self) -> None:
+        """Start the async reduce-scatter of the parameters' gradients; drops .grad."""
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        flat = nn.functional.pad(flat, (0, self.n * self.size - flat.numel()))
+        if self.reduce_dtype is not None:
+            flat = flat.to(self.reduce_dtype)
+        self.grad_out = flat.new_empty(self.n)
+        self.grad_work = collectives.reduce_scatter_into(
+            self.grad_out, flat, self.group, async_op=True
+        )
+        for p in self.params:
+            p.grad = None
+
+    def finish_grads(self) -> None:
+        """Wait for the reduce-scatter; shard.grad = the mean over the DP ranks."""
+        if self.grad_work is None:
+            self.reduce_grads()
+        self.grad_work.wait()
+        self.shard.grad = self.grad_out.to(self.shard.dtype) / self.size
+        self.ready, self.grad_out, self.grad_work = 0, None, None
+
+    def write_params(self) -> None:
+        """After the step: every replica's parameters from the owners' new shards."""
+        if self.gathered:
+            collectives.all_gather_into(self.full, self.shard.detach(), self.group)
+
+
+class _GatherForBackward(torch.autograd.Function):
+    """Identity on a block's output; its backward re-gathers the block's parameters first
+    (autograd runs it just before the block's own backward)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, gather: Callable[[], None]) -> torch.Tensor:  # noqa: ANN001
+        ctx.gather = gather
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # noqa: ANN001
+        ctx.gather()
+        return grad, None
+
+
+class _Unit:
+    """One block (or a chunk's rest: `root`) and its buffers; `prev` / `next`: the neighbouring
+    blocks of the same chunk, whose all-gathers ZeRO-3 prefetches."""
+
+    def __init__(self, module: nn.Module, buffers: list[FlatBuffer], root: bool) -> None:
+        self.module, self.buffers, self.root = module, buffers, root
+        self.params = sum(len(b.params) for b in buffers)
+        self.ready = 0  # parameters whose gradient this backward has produced
+        self.prev: _Unit | None = None
+        self.next: _Unit | None = None
+
+    def gather(self, async_op: bool = False) -> None:
+        for b in self.buffers:
+            b.gather(async_op)
+
+    def free(self) -> None:
+        for b in self.buffers:
+            b.free()
+
+
+class ShardedDataParallel:
+    """ZeRO-2 or ZeRO-3 over the DP `group` for this rank's TPGPT chunks.
+
+    Per step: forward/backward (micro-batches inside `no_sync()` except the last), the caller's
+    gradient fix-ups on `defer`'s parameters, `finish()`, clipping with `squared_grad_sum()`,
+    `step()`. `decay(p)`: whether AdamW decays p; `weight_of(chunk, name)`: the gradient-norm
+    weight of a chunk's parameter (1 / copies); `reduce_dtype`: as DataParallel's; `prefetch`
+    (ZeRO-3): start the neighbouring block's all-gather early (False: only when it is needed).
+    """
+
+    def __init__(
+        self,
+        chunks: Sequence[nn.Module],
+        group: dist.ProcessGroup | None,
+        level: int,
+        *,
+        decay: Callable[[nn.Parameter], bool],
+        weight_of: Callable[[nn.Module, str], torch.Tensor | float],
+        defer: Sequence[nn.Parameter] = (),
+        reduce_dtype: torch.dtype | None = None,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.95),
+        weight_decay: float = 0.0,
+        prefetch: bool = True,
+    ) -> None:
+        if level not in LEVELS:
+            raise ValueError(f"ShardedDataParallel level must be one of {LEVELS}, got {level}")
+        self.level, self.group, self.sync, self.prefetch = level, group, True, prefetch
+        self.decay, self.weight_of, self.reduce_dtype = decay, weight_of, reduce_dtype
+        self.deferred = {id(p) for p in defer}
+        self.peak_gathered = 0  # ZeRO-3: most bytes of whole parameters held at once
+        self.units: list[_Unit] = []
+        for chunk in chunks:
+            blocks = []
+            for i, block in enumerate(chunk.blocks):
+                named = [(f"blocks.{i}.{n}", p) for n, p in block.named_parameters()]
+                blocks.append(self._unit(chunk, block, named, root=False))
+            for a, b in itertools.pairwise(blocks):
+                a.next, b.prev = b, a
+            in_blocks = {id(p) for b in chunk.blocks for p in b.parameters()}
+            rest = [(n, p) for n, p in chunk.named_parameters() if id(p) not in in_blocks]
+            self.units += [*blocks, self._unit(chunk, chunk, rest, root=True)]
+        self.units = [u for u in self.units if u.buffers]
+        self.buffers = [b for u in self.units for b in u.buffers]
+        self.blocks = [u for u in self.units if not u.root]
+        self.roots = [u for u in self.units if u.root]
+        groups = [
+            {"params": [b.shard for b in self.buffers if b.decayed], "weight_decay": weight_decay},
+            {"params": [b.shard for b in self.buffers if not b.decayed], "weight_decay": 0.0},
+        ]
+        self.inner = torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas)
+        self.param_groups = self.inner.param_groups
+        if level == 3:
+            self._install_hooks()
+            for b in self.buffers:
+                b.free()
+
+    def _unit(
+        self, chunk: nn.Module, module: nn.Module, named: list[tuple[str, nn.Parameter]], root: bool
+    ) -> _Unit:
+        """`module`'s unit: one buffer per class (decayed or not, deferred or not) of its
+        trainable parameters, with the gradient hooks that reduce and free them."""
+        named = [(n, p) for n, p in named if p.requires_grad]
+        buffers = []
+        for decayed in (True, False):
+            for late in (False, True):
+                part = [
+                    (n, p)
+                    for n, p in named
+                    if self.decay(p) == decayed and (id(p) in self.deferred) == late
+                ]
+                if part:
+                    weights = [self.weight_of(chunk, n) for n, _ in part]
+                    buf = FlatBuffer(
+                        [p for _, p in part], weights, self.group, self.reduce_dtype, decayed
+                    )
+                    for _, p in part:
+                        p.register_post_accumulate_grad_hook(self._grad_hook(buf, late))
+                    buffers.append(buf)
+        unit = _Unit(module, buffers, root)
+        for _, p in named:
+            p.register_post_accumulate_grad_hook(self._unit_hook(unit))
+        return unit
+
+    def _grad_hook(self, buf: FlatBuffer, deferred: bool) -> Callable[[torch.Tensor], None]:
+        def hook(_: torch.Tensor) -> None:
+            if not self.sync or deferred:
+                return
+            buf.ready += 1
+            if buf.ready == len(buf.params):
+                buf.reduce_grads()
+
+        return hook
+
+    def _unit_hook(self, unit: _Unit) -> Callable[[torch.Tensor], None]:
+        def hook(_: torch.Tensor) -> None:
+            unit.ready += 1
+            if unit.ready == unit.params:  # the block's backward is done: free it (ZeRO-3)
+                unit.ready = 0
+                if self.level == 3 and not unit.root:
+                    unit.free()
+
+        return hook
+
+    def _gather(self, unit: _Unit | None, async_op: bool = False) -> None:
+        if unit is not None and (self.prefetch or not async_op):
+            unit.gather(async_op)
+            self.peak_gathered = max(self.peak_gathered, self.gathered_bytes())
+
+    def _install_hooks(self) -> None:
+        """ZeRO-3's gather / free rhythm, from forward hooks on every block and chunk."""
+        for unit in self.blocks:
+
+            def before(_m: nn.Module, _args: object, unit: _Unit = unit) -> None:
+                self._gather(unit)
+                self._gather(unit.next, async_op=True)  # prefetch the next block
+
+            def after(
+                _m: nn.Module, _args: object, out: torch.Tensor, unit: _Unit = unit
+            ) -> torch.Tensor:
+                unit.free()
+                if not (torch.is_grad_enabled() and out.requires_grad):
+                    return out
+
+                def regather(unit: _Unit = unit) -> None:
+                    self._gather(unit)
+                    self._gather(unit.prev, async_op=True)  # prefetch the block before
+
+                return _GatherForBackward.apply(out, regather)
+
+            unit.module.register_forward_pre_hook(before)
+            unit.module.register_forward_hook(after)
+        for unit in self.roots:
+            unit.module.register_forward_pre_hook(lambda _m, _a, unit=unit: self._gather(unit))
+
+    # The DataParallel side.
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward inside this only accumulates the full gradients (no reduce-scatter)."""
+        self.sync = False
+        try:
+            yield
+        finally:
+            self.sync = True
+
+    def finish(self) -> None:
+        """Reduce-scatter what backward did not (deferred, unused), wait for everything: every
+        shard.grad is then the DP mean of its elements."""
+        for b in self.buffers:
+            b.finish_grads()
+        for u in self.units:  # a block with an unused parameter never counted to the end
+            u.ready = 0
+
+    def squared_grad_sum(self) -> torch.Tensor:
+        """This rank's share of the squared gradient norm (float64; sum it over DP, TP, PP)."""
+        sq = torch.zeros((), dtype=torch.float64, device=self.buffers[0].shard.device)
+        for b in self.buffers:
+            if b.shard.grad is not None:
+                sq += (b.shard.grad.double().square() * b.grad_weight).sum()
+        return sq
+
+    def gather_wait_seconds(self) -> float:
+        """Seconds this rank's compute has waited for ZeRO-3's all-gathers (exposed
+        communication: what prefetching hides)."""
+        return sum(b.waited for b in self.buffers)
+
+    def gathered_bytes(self) -> int:
+        """Bytes of whole (gathered) parameter buffers this rank holds now."""
+        return sum(b.full.untyped_storage().nbytes() for b in self.buffers)
+
+    def shards(self) -> list[nn.Parameter]:
+        return [b.shard for b in self.buffers]
+
+    # The optimizer side.
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for b in self.buffers:
+            b.shard.grad = None
+            for p in b.params:
+                p.grad = None
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """AdamW on the shards; ZeRO-2: all-gather the new parameters into every replica;
+        ZeRO-3: drop the rest-units' stale full copies (the next forward gathers them)."""
+        self.inner.step()
+        for b in self.buffers:
+            if self.level == 2:
+                b.write_params()
+            else:
+                b.free()
+
+    def state_numel(self) -> int:
+        """Elements of AdamW state on this rank (2 per shard element)."""
+        return sum(v.numel() for s in self.inner.state.values() for v in s.values() if v.dim() > 0)
+
+    @contextlib.contextmanager
+    def gathered(self) -> Iterator[None]:
+        """Inside: every parameter whole on every DP rank (ZeRO-3 frees them again on exit).
+        One blocking all-gather per buffer."""
+        for b in self.buffers:
+            b.gather()
+        try:
+            yield
+        finally:
+            if self.level == 3:
+                for b in self.buffers:
+                    b.free()
+
+    @contextlib.contextmanager
+    def consolidated(self) -> Iterator[torch.optim.AdamW]:
+        """Inside: every parameter whole and a plain AdamW over them holding the whole
+        optimizer state (all-gathered over DP): what checkpoint.save writes and load fills.
+        On exit each rank takes its shard back of the (possibly loaded) values. Collective."""
+        full = torch.optim.AdamW(  # the same groups and settings, whole parameters
+            [
+                dict(g, params=[p for b in self.buffers if b.shard in shards for p in b.params])
+                for g in self.inner.param_groups
+                for shards in [set(g["params"])]
+            ]
+        )
+        for b in self.buffers:
+            b.gather()
+        for b in self.buffers:
+            st = self.inner.state.get(b.shard, {})
+            for key, value in st.items():
+                if value.dim() == 0:
+                    for p in b.params:
+                        full.state.setdefault(p, {})[key] = value.clone()
+                    continue
+                whole = value.new_empty(b.n * b.size)
+                collectives.all_gather_into(whole, value, b.group)
+                for p, piece in zip(b.params, b.slices, strict=True):
+                    full.state.setdefault(p, {})[key] = whole[piece].view_as(p)
+        try:
+            yield full
+        finally:
+            self._take_shards(full)
+
+    @torch.no_grad()
+    def _take_shards(self, full: torch.optim.AdamW) -> None:
+        for b in self.buffers:
+            b.shard.copy_(b.full[b.mine])
+            states = [full.state.get(p, {}) for p in b.params]
+            if states and all(states):
+                st = {}
+                for key, value in states[0].items():
+                    if value.dim() == 0:
+                        st[key] = value.clone()
+                        continue
+                    flat = torch.cat([s[key].reshape(-1) for s in states])
+                    flat = nn.functional.pad(flat, (0, b.n * b.size - flat.numel()))
+                    st[key] = flat[b.mine].to(b.shard.dtype).clone()
+                self.inner.state[b.shard] = st
+            if self.level == 3:
+                b.free()
