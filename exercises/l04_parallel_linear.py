@@ -35,8 +35,7 @@ def column_parallel_linear(
     Backward: 1 all-reduce of dL/dx, because every rank's columns depend on all of x.
     """
     raise NotImplementedError(
-        "hint: y = F.linear(copy_to_tp_region(x, group), weight, bias); "
-        "if gather_output, return gather_from_tp_region(y, group)"
+        "l04: write the column-parallel layer; hint: tpedu.grading.hint('l04', 1)"
     )
 
 
@@ -53,7 +52,5 @@ def row_parallel_linear(
     Forward: 1 all-reduce of the partial products. Backward: no communication.
     """
     raise NotImplementedError(
-        "hint: F.linear(x, weight) WITHOUT the bias is this rank's partial sum; add the partial "
-        "sums with reduce_from_tp_region(..., group), THEN add the bias (added before the "
-        "all-reduce it would be counted t times)"
+        "l04: write the row-parallel layer; hint: tpedu.grading.hint('l04', 1)"
     )

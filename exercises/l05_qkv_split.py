@@ -30,10 +30,7 @@ def local_heads(n_heads: int, n_kv_heads: int, tp: int, rank: int) -> tuple[list
     Raise ValueError when n_heads is not divisible by tp, or when tp neither divides n_kv_heads
     nor is a multiple of it.
     """
-    raise NotImplementedError(
-        "hint: q heads are range(rank·nq/tp, (rank+1)·nq/tp); for tp > nkv the KV head is "
-        "rank // (tp // nkv)"
-    )
+    raise NotImplementedError("l05: find the rank's heads; hint: tpedu.grading.hint('l05', 1)")
 
 
 def split_qkv(
@@ -47,6 +44,5 @@ def split_qkv(
     same call splits the bias. Return a new tensor (not a view of `weight`).
     """
     raise NotImplementedError(
-        "hint: use local_heads; head h of the q block starts at row h·d, of the k block at "
-        "(nq + h)·d, of the v block at (nq + nkv + h)·d; build the row list, then index_select"
+        "l05: pick the rank's rows of the fused weight; hint: tpedu.grading.hint('l05', 1)"
     )

@@ -31,7 +31,9 @@ def vocab_range(vocab_size: int, tp: int, rank: int) -> tuple[int, int]:
     Examples: vocab_range(10, 4, 3) == (9, 12) (columns 10 and 11 are padding);
               vocab_range(50257, 2, 1) == (25129, 50258).
     """
-    raise NotImplementedError("hint: n = ceil(vocab_size / tp) = -(-vocab_size // tp); rank·n")
+    raise NotImplementedError(
+        "l06: find the rank's vocabulary columns; hint: tpedu.grading.hint('l06', 1)"
+    )
 
 
 def vocab_parallel_cross_entropy(
@@ -49,7 +51,5 @@ def vocab_parallel_cross_entropy(
     Stable for large logits (subtract the max before exp).
     """
     raise NotImplementedError(
-        "hint: mask padding columns to -inf; local max -> all-reduce MAX; subtract it; the "
-        "target's shifted logit where start <= y < end else 0 -> all-reduce; sum of exp -> "
-        "all-reduce; loss = log(S) - z_y"
+        "l06: write the vocab-parallel loss; hint: tpedu.grading.hint('l06', 1)"
     )

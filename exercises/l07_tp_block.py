@@ -13,12 +13,10 @@ Its tensor-parallel version replaces the parts, nothing else (seed §4.3: "替�
 
 The residual stream x [b, s, H] stays full and identical on every rank, so the block adds no
 communication of its own: exactly 2 all-reduces of b·s·H forward and 2 backward, all inside the
-layers. Dropout after attention must use the dense block's mask (same seed, step and call site):
-
-    from tpedu.tp.dropout import derive_seed, index_dropout
-    from tpedu.model.dense import ATTENTION_OUTPUT_DROPOUT_SITE
-    seed = derive_seed(dense.seed, ATTENTION_OUTPUT_DROPOUT_SITE, step)
-    index_dropout(a, dense.p, seed, training=self.training)    # the full tensor: offsets 0
+layers. Dropout after attention must drop exactly what the dense block drops: the same mask,
+a function of the block's seed, the step and the call site (tpedu.tp.dropout: derive_seed,
+index_dropout; tpedu.model.dense: ATTENTION_OUTPUT_DROPOUT_SITE). The attention output is
+whole on every rank, so the dense mask applies to it as it is.
 
 Keep the attribute names norm1, norm2, attn, mlp, seed, p: the tests read the gradients through
 them. Fill in both methods, then run `make grade`. The reference is tpedu/model/ (TPBlock).
@@ -43,14 +41,11 @@ class TPBlock(nn.Module):
     def __init__(self, dense: DenseBlock, group: dist.ProcessGroup | None) -> None:
         """Build from `dense` (identical on every rank); keep its dropout seed and probability."""
         raise NotImplementedError(
-            "hint: super().__init__(); self.seed, self.p = dense.seed, dense.p; deep-copy norm1 "
-            "and norm2; attn = ParallelAttention.from_dense(dense.attn, group); mlp likewise"
+            "l07: build the block's parts; hint: tpedu.grading.hint('l07', 1)"
         )
 
     def forward(self, x: torch.Tensor, step: int = 0) -> torch.Tensor:
         """x [b, s, H] -> [b, s, H]; `step` selects this step's dropout masks."""
         raise NotImplementedError(
-            "hint: a = self.attn(self.norm1(x), step); x = x + index_dropout(a, ...) with "
-            "derive_seed(self.seed, ATTENTION_OUTPUT_DROPOUT_SITE, step); "
-            "return x + self.mlp(self.norm2(x), step)"
+            "l07: write the block's forward; hint: tpedu.grading.hint('l07', 1)"
         )

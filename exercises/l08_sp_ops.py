@@ -24,10 +24,7 @@ def scatter_to_sp_region(
     Forward: no communication (keep chunk r, contiguous). Backward: all-gather the gradient
     along `dim` in rank order, so every rank gets dL/dx for the whole sequence.
     """
-    raise NotImplementedError(
-        "hint: forward narrow(dim, r·n, n).contiguous(); backward "
-        "collectives.all_gather(grad, group, dim=dim); return None for group and dim"
-    )
+    raise NotImplementedError("l08: write the sequence scatter; hint: tpedu.grading.hint('l08', 1)")
 
 
 def gather_from_sp_region(
@@ -44,8 +41,7 @@ def gather_from_sp_region(
     keep own chunk, no communication.
     """
     raise NotImplementedError(
-        "hint: the conjugate of an all-gather is a reduce-scatter "
-        "(collectives.reduce_scatter(grad.contiguous(), group, dim))"
+        "l08: write g, the sequence all-gather; hint: tpedu.grading.hint('l08', 1)"
     )
 
 
@@ -57,8 +53,7 @@ def reduce_scatter_to_sp_region(
     Forward: reduce-scatter along `dim`. Backward: all-gather the gradient along `dim`.
     """
     raise NotImplementedError(
-        "hint: forward collectives.reduce_scatter(x.contiguous(), group, dim); backward the "
-        "all-gather"
+        "l08: write g-bar, the sequence reduce-scatter; hint: tpedu.grading.hint('l08', 1)"
     )
 
 
@@ -73,6 +68,5 @@ def all_reduce_sequence_parallel_grads(
     buffer, all-reduce it once, copy the parts back.
     """
     raise NotImplementedError(
-        "hint: torch.cat([g.reshape(-1) ...]), collectives.all_reduce(flat, group), then "
-        "g.copy_(part.view_as(g)) for each part of flat.split(sizes)"
+        "l08: sum the replicated gradients; hint: tpedu.grading.hint('l08', 1)"
     )

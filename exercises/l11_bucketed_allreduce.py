@@ -21,8 +21,7 @@ def assign_buckets(numels: Sequence[int], bucket_numel: int) -> list[list[int]]:
     bucket_numel < 1 -> ValueError("bucket_numel must be at least 1, got ...").
     """
     raise NotImplementedError(
-        "hint: for i in reversed(range(len(numels))): add i; once the bucket's sum of numels "
-        "reaches bucket_numel, start a new bucket; keep a non-empty last bucket"
+        "l11_bucketed_allreduce: group the parameters into buckets; hint: tpedu.grading.hint('l11_bucketed_allreduce', 1)"
     )
 
 
@@ -31,11 +30,10 @@ def all_reduce_bucket(
 ) -> list[torch.Tensor]:
     """Average tensors of any shapes over `group` with exactly ONE all-reduce.
 
-    Flatten them into one buffer (torch.cat of .reshape(-1)), call
-    `tpedu.comm.collectives.all_reduce(buffer, group)` once, divide by the group size, and return the
-    buffer cut back into tensors of the original shapes, in order. The inputs stay unchanged.
+    Returns new tensors of the inputs' shapes, in order, each the mean over the group's ranks;
+    the inputs stay unchanged. Communicate through `tpedu.comm.collectives` (the tests count the
+    calls).
     """
     raise NotImplementedError(
-        "hint: flat = torch.cat([g.reshape(-1) for g in grads]); all_reduce; flat /= world size; "
-        "then slice flat[offset : offset + g.numel()].view_as(g) for each g"
+        "l11_bucketed_allreduce: average one bucket; hint: tpedu.grading.hint('l11_bucketed_allreduce', 1)"
     )

@@ -22,8 +22,7 @@ def reduce_scatter_mean(flat: torch.Tensor, group: dist.ProcessGroup | None = No
     numel 10, N = 3: n = 4, rank 2 gets the mean of elements 8, 9 and two zeros.
     """
     raise NotImplementedError(
-        "hint: n = ceil(numel / N); pad; reduce_scatter_into sums the ranks' r-th slices into "
-        "rank r's output; what is still missing for a mean?"
+        "l11_zero: write ZeRO-2's gradient step; hint: tpedu.grading.hint('l11_zero', 1)"
     )
 
 
@@ -48,22 +47,24 @@ class LazyParams:
         self, shard: torch.Tensor, numel: int, group: dist.ProcessGroup | None = None
     ) -> None:
         raise NotImplementedError(
-            "hint: allocate the whole buffer once (N·n elements), then release its storage's "
-            "memory; remember whether it is gathered"
+            "l11_zero: set up the lazy buffer; hint: tpedu.grading.hint('l11_zero', 1)"
         )
 
     def gather(self) -> torch.Tensor:
         raise NotImplementedError(
-            "hint: if not gathered: give the storage its bytes back, all-gather the shard into "
-            "the buffer; return the first numel elements"
+            "l11_zero: gather the whole parameters; hint: tpedu.grading.hint('l11_zero', 1)"
         )
 
     def free(self) -> None:
-        raise NotImplementedError("hint: a tensor's untyped_storage() can be resized")
+        raise NotImplementedError(
+            "l11_zero: free the whole parameters; hint: tpedu.grading.hint('l11_zero', 1)"
+        )
 
     def held_bytes(self) -> int:
         """Bytes of whole parameters this object holds now."""
-        raise NotImplementedError("hint: ask the buffer's storage how many bytes it has")
+        raise NotImplementedError(
+            "l11_zero: report the bytes held; hint: tpedu.grading.hint('l11_zero', 1)"
+        )
 
 
 def zero_bytes_per_rank(
@@ -85,6 +86,5 @@ def zero_bytes_per_rank(
     stage not in 0..3 or dp < 1 -> ValueError naming the value.
     """
     raise NotImplementedError(
-        "hint: three divisors, each dp or 1: the optimizer's from stage 1 on, the gradients' "
-        "from stage 2, the weights' at stage 3"
+        "l11_zero: write the ZeRO memory per rank; hint: tpedu.grading.hint('l11_zero', 1)"
     )

@@ -21,7 +21,5 @@ def rank_groups(tp: int, pp: int, dp: int) -> dict[str, list[list[int]]]:
     emb [[0, 2], [1, 3]].
     """
     raise NotImplementedError(
-        "hint: write rank(t, p, d) = t + tp * (p + pp * d), then nested list comprehensions, "
-        "the varying coordinate innermost, e.g. tp: [[rank(t, p, d) for t in range(tp)] "
-        "for d in range(dp) for p in range(pp)]"
+        "l12: list the groups of the layout; hint: tpedu.grading.hint('l12', 1)"
     )

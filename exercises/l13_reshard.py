@@ -24,12 +24,14 @@ import torch
 
 def merge_column(shards: list[torch.Tensor]) -> torch.Tensor:
     """Column-parallel shards [out/t, in] (or [out/t]) in rank order -> the dense [out, in]."""
-    raise NotImplementedError("hint: each rank holds a block of output rows; glue them in order")
+    raise NotImplementedError(
+        "l13: merge column-parallel shards; hint: tpedu.grading.hint('l13', 1)"
+    )
 
 
 def merge_row(shards: list[torch.Tensor]) -> torch.Tensor:
     """Row-parallel weight shards [out, in/t] in rank order -> the dense [out, in]."""
-    raise NotImplementedError("hint: each rank holds a block of input columns (dim 1)")
+    raise NotImplementedError("l13: merge row-parallel shards; hint: tpedu.grading.hint('l13', 1)")
 
 
 def merge_qkv(shards: list[torch.Tensor], n_heads: int, n_kv_heads: int) -> torch.Tensor:
@@ -39,10 +41,7 @@ def merge_qkv(shards: list[torch.Tensor], n_heads: int, n_kv_heads: int) -> torc
     (or 1, a replica, when t > nkv). Concatenating the shards is WRONG (it interleaves q, k, v).
     Work out d from the shapes; replicas of a KV head are equal, use any one.
     """
-    raise NotImplementedError(
-        "hint: make an empty dense tensor, then for each rank write its shard into the rows "
-        "tpedu.tp.attention.qkv_rows(n_heads, n_kv_heads, d, tp, rank) names"
-    )
+    raise NotImplementedError("l13: merge fused-QKV shards; hint: tpedu.grading.hint('l13', 1)")
 
 
 def reshard(
@@ -57,7 +56,4 @@ def reshard(
     kind: "column", "row" or "qkv" (n_heads, n_kv_heads given). The new shards must be exactly
     what a model built at new_tp holds (for qkv: tpedu.tp.attention.split_qkv).
     """
-    raise NotImplementedError(
-        "hint: merge with the function for `kind`, then cut the dense tensor for new_tp "
-        "(chunk along the right dim, or split_qkv for each new rank)"
-    )
+    raise NotImplementedError("l13: reshard for the new tp; hint: tpedu.grading.hint('l13', 1)")

@@ -6,8 +6,8 @@ bug in the broken twin (its source is printed in the notebook, and marked `# BUG
 tpedu/course/bugzoo.py, but try first from the symptom alone), then write the FIXED function here.
 
 Communicate only through tpedu.comm.collectives (so the tests' tracer sees it). Run `make grade`.
-The references are in tpedu/tp/ (operators.py, vocab_parallel.py, attention.py) and
-tpedu/parallel/ (mesh.py, pipeline/schedules.py); the solutions re-export them.
+The production versions are in tpedu/tp/ (operators.py, vocab_parallel.py, attention.py) and
+tpedu/parallel/ (mesh.py, pipeline/schedules.py); solutions/l15_bug_hunt.py writes them out.
 """
 
 from __future__ import annotations
@@ -23,10 +23,7 @@ def copy_to_tp_region(x: torch.Tensor, group: dist.ProcessGroup | None = None) -
     Broken twin (bug `no_backward_all_reduce`): its backward returns the local gradient.
     Symptom: loss identical to tp=1, but every gradient before the layer differs.
     """
-    raise NotImplementedError(
-        "hint: a torch.autograd.Function; forward returns x.view_as(x); backward clones the "
-        "gradient and collectives.all_reduce(grad, group)s it"
-    )
+    raise NotImplementedError("l15: fix f; hint: tpedu.grading.hint('l15', 1)")
 
 
 def mask_padding(logits_shard: torch.Tensor, start: int, vocab_size: int) -> torch.Tensor:
@@ -36,10 +33,7 @@ def mask_padding(logits_shard: torch.Tensor, start: int, vocab_size: int) -> tor
     Broken twin (bug `padded_vocab_unmasked`): returns the shard unchanged.
     Symptom: loss too high whenever vocab_size % tp != 0.
     """
-    raise NotImplementedError(
-        "hint: cols = torch.arange(start, start + n, device=logits_shard.device); "
-        "masked_fill(cols >= vocab_size, -inf)"
-    )
+    raise NotImplementedError("l15: fix the padding mask; hint: tpedu.grading.hint('l15', 1)")
 
 
 def vocab_parallel_argmax(
@@ -52,10 +46,7 @@ def vocab_parallel_argmax(
     Broken twin (bug `argmax_one_shard`): returns argmax over this rank's shard + r·n.
     Symptom: greedy generation differs per rank and from tp=1.
     """
-    raise NotImplementedError(
-        "hint: mask padding; each rank's best (value, global id); all_gather both (dim=-1); "
-        "the winner is the argmax of the gathered values (first = lowest rank on ties)"
-    )
+    raise NotImplementedError("l15: fix the argmax; hint: tpedu.grading.hint('l15', 1)")
 
 
 def kv_heads_of_rank(n_heads: int, n_kv_heads: int, tp: int, rank: int) -> list[int]:
@@ -66,7 +57,7 @@ def kv_heads_of_rank(n_heads: int, n_kv_heads: int, tp: int, rank: int) -> list[
     Broken twin (bug `kv_wrong_replica`): for tp > nkv it returns [rank % nkv].
     Symptom: GQA model at tp > n_kv_heads: loss differs from tp=1 at step 0.
     """
-    raise NotImplementedError("hint: tp > nkv: [rank // (tp // nkv)]; else a contiguous block")
+    raise NotImplementedError("l15: fix the KV heads; hint: tpedu.grading.hint('l15', 1)")
 
 
 def tp_groups(world: int, tp: int, pp: int = 1) -> list[list[int]]:
@@ -79,7 +70,7 @@ def tp_groups(world: int, tp: int, pp: int = 1) -> list[list[int]]:
     unsharded model (right loss, no TP, no memory saved); once two data-parallel replicas exist,
     ranks with different batches are summed: wrong loss from step 0.
     """
-    raise NotImplementedError("hint: consecutive blocks of tp ranks")
+    raise NotImplementedError("l15: fix the TP groups; hint: tpedu.grading.hint('l15', 1)")
 
 
 def one_f_one_b(n_micro: int, n_stages: int, stage: int) -> list[tuple[str, int]]:
@@ -90,4 +81,4 @@ def one_f_one_b(n_micro: int, n_stages: int, stage: int) -> list[tuple[str, int]
     Broken twin (bug `pipeline_warmup_reversed`): counts the warm-up as min(s, m).
     Symptom: the pipeline hangs (stage 0 waits for a gradient, stage 1 for an activation).
     """
-    raise NotImplementedError("hint: warm = min(n_stages - 1 - stage, n_micro)")
+    raise NotImplementedError("l15: fix the warm-up; hint: tpedu.grading.hint('l15', 1)")

@@ -26,8 +26,7 @@ def merge_partials(
     exactly 0, and a row with −inf in both parts must come out as 0 with lse −inf (no NaN).
     """
     raise NotImplementedError(
-        "hint: lse = log(e^lse_a + e^lse_b) (a stable form exists in torch); the weight of A is "
-        "e^(lse_a − lse); guard the rows where lse itself is −inf"
+        "l16: merge two partial attentions; hint: tpedu.grading.hint('l16', 1)"
     )
 
 
@@ -42,7 +41,7 @@ def zigzag_positions(s: int, cp: int, rank: int) -> torch.Tensor:
     s not divisible by 2·cp -> ValueError naming s and 2·cp.
     """
     raise NotImplementedError(
-        "hint: chunk length n = s / (2cp); which two chunk indices add up to 2cp − 1?"
+        "l16: write the zig-zag positions; hint: tpedu.grading.hint('l16', 1)"
     )
 
 
@@ -61,7 +60,4 @@ def ring_step(
     keys of this block only (normalised over them), and the log of its denominator, ready for
     merge_partials. A query that sees no key of this block gets out = 0 and lse = −inf (no NaN).
     """
-    raise NotImplementedError(
-        "hint: mask from comparing the two position vectors; logsumexp of the masked scores is "
-        "the lse; exp(scores − lse) are the weights (guard −inf rows)"
-    )
+    raise NotImplementedError("l16: write one ring step; hint: tpedu.grading.hint('l16', 1)")

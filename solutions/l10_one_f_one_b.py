@@ -1,6 +1,11 @@
-"""Reference for exercises/l10_one_f_one_b.py."""
+"""Reference for exercises/l10_one_f_one_b.py: the 1F1B schedule."""
 
-# the reference lives in tpedu/parallel/pipeline/schedules.py
-from tpedu.parallel.pipeline.schedules import one_f_one_b
+from __future__ import annotations
 
-__all__ = ["one_f_one_b"]
+
+def one_f_one_b(n_micro: int, n_stages: int, stage: int) -> list[tuple[str, int]]:
+    warm = min(n_stages - 1 - stage, n_micro)  # fill the stages after this one
+    order = [("F", i) for i in range(warm)]
+    for i in range(n_micro - warm):  # steady state: one forward, then the oldest backward
+        order += [("F", warm + i), ("B", i)]
+    return order + [("B", i) for i in range(n_micro - warm, n_micro)]  # drain

@@ -78,3 +78,78 @@ def test_precision_benchmark_times_every_dtype_tiny():
     harness, bench = _bench("harness"), _bench("bench_precision")
     times = tpedu.launch(bench.worker, 2, 1, harness.TINY, backend=harness.BACKEND)[0]
     assert sorted(times) == ["bf16", "fp16", "fp32"] and all(t > 0 for t in times.values())
+
+
+def test_zero_benchmark_tiny():
+    """bench_zero at dp 2 on a tiny model: every variant trained the same numbers, the traced
+    traffic equals the printed formula, and ZeRO-3 holds no whole parameter after the step."""
+    harness, bench = _bench("harness"), _bench("bench_zero")
+    res = tpedu.launch(bench.run, 2, 2, 1, harness.TINY, backend=harness.BACKEND)[0]
+    assert list(res) == list(bench.VARIANTS)
+    for r in res.values():
+        assert r["sent"] / r["params"] == pytest.approx(r["formula"])
+        assert r["loss"] == pytest.approx(res["dp"]["loss"], rel=1e-6) and r["time"] > 0
+    assert res["zero3"]["weights"] < res["zero2"]["weights"]
+
+
+def test_decode_benchmark_tiny():
+    """bench_decode at tp 2 on a tiny model: cache and recompute give the same tokens, every
+    time is positive, and the GPU prediction reads weights/tp bytes per token at batch 1."""
+    import dataclasses
+
+    harness, bench = _bench("harness"), _bench("bench_decode")
+    config = dataclasses.replace(harness.TINY, seq_len=64)
+    r = tpedu.launch(bench.worker, 2, config, 8, 1, 32, backend=harness.BACKEND)[0]
+    assert r["same"] and all(r[k] > 0 for k in ("cache", "recompute", "prefill", "step"))
+    from tpedu.analysis.shape import ModelShape
+    from tpedu.analysis.whatif import HARDWARE
+
+    shape = ModelShape()
+    p1, p4 = (
+        bench.decode_prediction(shape, HARDWARE["H100 SXM"], 3.35e12, tp, 1, 2048, 0.8)
+        for tp in (1, 4)
+    )
+    assert p1["bytes_per_token"] == 2 * shape.n_params == 4 * p4["bytes_per_token"]
+    assert p1["comm"] == 0 < p4["comm"] and p4["weights"] == pytest.approx(p1["weights"] / 4)
+
+
+def test_fsdp_worker_tiny():
+    """bench_fsdp's worker at dp 2 on a tiny model: tpedu's ZeRO-3 and FSDP2 train alike, both
+    are timed, and each moves what ZeRO-3's formula says: all-gathers of Ψ + Ψ_blocks (the root
+    stays whole from forward to backward, the blocks are gathered twice) and a reduce-scatter of
+    Ψ per step. Every dimension of the tiny model is even: no padding at dp 2 on either side."""
+    harness, bench = _bench("harness"), _bench("bench_fsdp")
+    r = tpedu.launch(bench.worker, 2, harness.TINY, 2, 1, torch.float32, timeout=300)[0]
+    # fp32, a few sums in another order (the loss, the norm, gloo's buffers): ~1e-7 relative
+    assert r["tpedu"]["losses"] == pytest.approx(r["fsdp2"]["losses"], rel=1e-5)
+    assert r["tpedu"]["norms"] == pytest.approx(r["fsdp2"]["norms"], rel=1e-4)
+    assert set(r["times"]) == {"tpedu", "fsdp2"} and all(t > 0 for t in r["times"].values())
+    model = DenseGPT(harness.TINY)
+    psi = sum(p.numel() for p in model.parameters())
+    psi_blocks = sum(p.numel() for p in model.blocks.parameters())
+    for name in ("tpedu", "fsdp2"):
+        assert r["comm"][name] > 0, name
+        assert r["elements"][name]["all_gather"] == psi + psi_blocks, name
+        assert r["elements"][name]["reduce_scatter"] == psi, name
+
+
+def test_context_benchmark_tiny(capsys):
+    """bench_context's worker on 2 ranks: every variant (TP, explicit attention, SP, ring CP in
+    both layouts) computes the dense loss, and the saved activations order as the formulas
+    say: SP and CP (s/2 positions) below TP, explicit attention (the [s, s] scores) above."""
+    bench = _bench("bench_context")
+    (row,) = tpedu.launch(bench.worker, 2, [32], 1, bench.TINY, timeout=300)[0]
+    assert set(row["loss"]) == set(bench.VARIANTS)
+    bench.check_losses(2, row)  # raises unless every variant's loss is TP's (1e-5)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 128, (1, 32), generator=g)
+    tgt = torch.randint(0, 128, (1, 32), generator=g)
+    torch.manual_seed(0)
+    want = DenseGPT(bench.TINY)(ids, tgt).item()
+    assert row["loss"]["CP zigzag"] == pytest.approx(want, rel=1e-5)
+    act = row["act"]
+    assert act["CP zigzag"] == act["CP contig"] < act["TP"] < act["TP expl"]
+    assert act["TP+SP"] < act["TP"] and all(t > 0 for t in row["ms"].values())
+    bench.what_if()
+    out = capsys.readouterr().out
+    assert "TP 2 x CP 4" in out and "TP 8 + SP" in out

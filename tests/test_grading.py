@@ -1,8 +1,10 @@
 """The grader: solutions get full marks; every untouched stub is caught as unfinished; the table
-prints for both without crashing."""
+prints for both without crashing. Hints: every exercise has at least three, in order, and asks
+for them fail clearly. Stubs do not dictate code; solutions are written out, not re-exported."""
 
 import ast
 import json
+import re
 import subprocess
 import sys
 
@@ -69,3 +71,155 @@ def test_grade_table_prints_for_stubs():
     scores = [grading.Score("l99_demo", passed=0, failed=4, unfinished=4)]
     text = grading.table(scores)
     assert "l99_demo" in text and "not started" in text and "0%" in text
+    assert "hint l03 1" in text  # the learner is told how to ask for hints
+
+
+# ---- hints
+
+
+def test_every_exercise_has_at_least_three_hints_in_order():
+    for name in grading.exercise_names():
+        texts = grading.hints(name)  # raises unless the levels read 1, 2, ..., n
+        assert len(texts) >= 3, f"{name}: {len(texts)} hints"
+        for level, text in enumerate(texts, 1):
+            assert len(text) > 80, f"{name} hint {level} is too short to help: {text!r}"
+            shown = grading.hint(name, level)
+            assert shown.startswith(f"{name}, hint {level} of {len(texts)}:") and text in shown
+            assert repr(shown) == str(shown)  # a notebook shows the text, not a quoted string
+        assert len(set(texts)) == len(texts), f"{name}: two hints are the same"
+
+
+def test_hints_out_of_order_are_an_error(tmp_path, monkeypatch):
+    (tmp_path / "l03_conjugate_ops.md").write_text("## Hint 1\na\n## Hint 3\nb\n")
+    monkeypatch.setattr(grading, "HINTS", tmp_path)
+    with pytest.raises(ValueError, match=r"1, 2, \.\.\., got \[1, 3\]"):
+        grading.hints("l03")
+
+
+def test_hint_accepts_the_short_and_the_full_name():
+    assert grading.hint("l03", 2) == grading.hint("l03_conjugate_ops", 2)
+    assert grading.resolve("l16") == "l16_context_parallel"
+
+
+def test_hint_errors_name_the_valid_choices():
+    with pytest.raises(ValueError, match="no exercise 'l99'.*l03_conjugate_ops"):
+        grading.hint("l99", 1)
+    with pytest.raises(ValueError, match="l11_bucketed_allreduce.*l11_zero.*full name"):
+        grading.hint("l11", 1)  # two exercises in lesson 11
+    n = len(grading.hints("l03"))
+    for bad in (0, n + 1, "1", 1.0, True):
+        with pytest.raises(ValueError, match=f"hint levels 1 to {n}"):
+            grading.hint("l03", bad)
+
+
+def test_tpedu_grading_hint_is_the_graders():
+    import tpedu.grading
+
+    assert tpedu.grading.hint("l03", 1) == grading.hint("l03_conjugate_ops", 1)
+
+
+def test_hint_command_line():
+    def run(*args):
+        return subprocess.run(
+            [sys.executable, "-m", "tpedu.course.grading", "hint", *args],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    ok = run("l03", "2")
+    assert ok.returncode == 0 and ok.stdout.strip() == str(grading.hint("l03", 2)), ok.stderr
+    for bad in (("l99",), ("l03", "9"), ("l03", "two"), ()):
+        p = run(*bad)
+        assert p.returncode == 2 and p.stderr.strip() and not p.stdout, (bad, p)
+
+
+# ---- stubs teach, solutions show
+
+
+def _raises_not_implemented(tree):
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call):
+            if getattr(node.exc.func, "id", None) == "NotImplementedError":
+                yield node.exc
+
+
+def test_stub_messages_point_at_hints_and_do_not_dictate_code():
+    """Every message is one plain sentence and the hint call; no code (calls, indexing,
+    assignments, attribute access) that would hand over the solution."""
+    for name in grading.exercise_names():
+        tree = ast.parse((ROOT / "exercises" / f"{name}.py").read_text(encoding="utf-8"))
+        calls = list(_raises_not_implemented(tree))
+        assert calls, f"{name}: no stub left"
+        for call in calls:
+            assert len(call.args) == 1 and isinstance(call.args[0], ast.Constant), name
+            msg = call.args[0].value
+            ask = re.search(r"hint: tpedu\.grading\.hint\('([a-z0-9_]+)', 1\)$", msg)
+            assert ask and grading.resolve(ask.group(1)) == name, f"{name}: {msg!r}"
+            prose = msg[: ask.start()]
+            code_like = re.search(
+                r"[()\[\]=]|\w\.\w|->|\b(return|lambda|import|def)\b|\bfor\b.*\bin\b", prose
+            )
+            assert not code_like, f"{name}: the stub message dictates code: {msg!r}"
+
+
+def _tpedu_imports(tree):
+    """Names a module binds by importing from tpedu (functions, classes or modules)."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "tpedu":
+            found |= {a.asname or a.name for a in node.names}
+        if isinstance(node, ast.Import):
+            found |= {
+                (a.asname or a.name).split(".")[0] for a in node.names if a.name.startswith("tpedu")
+            }
+    return found
+
+
+def _is_a_forward(fn, imported):
+    """A function whose body (docstring aside) is one `return f(...)` (or `f(...)[i]`) with f
+    imported from tpedu: a re-export in disguise. Collectives are called through their module
+    (`collectives.all_reduce`), an attribute, so communication inside a body never counts."""
+    body = fn.body[1:] if ast.get_docstring(fn) is not None else fn.body
+    if len(body) != 1 or not isinstance(body[0], ast.Return):
+        return False
+    value = body[0].value
+    while isinstance(value, (ast.Subscript, ast.Attribute)):
+        value = value.value
+    return (
+        isinstance(value, ast.Call)
+        and isinstance(value.func, ast.Name)
+        and value.func.id in imported
+    )
+
+
+def test_solutions_are_written_out_not_re_exported():
+    """Every public function and class of an exercise is defined in its solution (not imported),
+    and none of their bodies is just `return <tpedu function>(...)`: a stuck learner reads the
+    arithmetic, not a pointer into the package."""
+    for name in grading.exercise_names():
+        tree = ast.parse((ROOT / "solutions" / f"{name}.py").read_text(encoding="utf-8"))
+        imported = _tpedu_imports(tree)
+        defined = {n.name: n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+        for public in set(public_functions(name)) - {"__init__"} | _public_classes(name):
+            owner = defined.get(public) or next(
+                (
+                    c
+                    for c in defined.values()
+                    if isinstance(c, ast.ClassDef)
+                    and any(isinstance(f, ast.FunctionDef) and f.name == public for f in c.body)
+                ),
+                None,
+            )
+            assert owner is not None, f"solutions/{name}.py does not define {public}"
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef) and not node.name.startswith("_"):
+                assert not _is_a_forward(node, imported), (
+                    f"solutions/{name}.py: {node.name} only calls into tpedu"
+                )
+
+
+def _public_classes(name):
+    tree = ast.parse((ROOT / "exercises" / f"{name}.py").read_text(encoding="utf-8"))
+    return {n.name for n in tree.body if isinstance(n, ast.ClassDef)}

@@ -20,6 +20,7 @@ import transformers
 from transformers.models.llama import modeling_llama
 
 from tests.test_hf import check_sliced, sliced_load
+from tests.test_kv_cache import transformers_greedy
 from tpedu import launch
 from tpedu.checkpoint import hf, hf_llama
 from tpedu.model.config import GPTConfig
@@ -218,3 +219,27 @@ def test_llama_checkpoint_exports_to_a_transformers_directory(tmp_path):
     ids = torch.randint(0, 40, (2, 10))
     with hf64(), torch.no_grad():
         torch.testing.assert_close(logits_of(theirs, ids), dense(ids), **TIGHT)
+
+
+def _greedy(config, state, prompts, steps):
+    from tpedu.serve.generate import generate_batch
+
+    torch.set_default_dtype(torch.float64)
+    model = TPGPT.from_state_dict(config, state).eval()
+    return generate_batch(model, prompts, steps, greedy=True)
+
+
+@pytest.mark.parametrize("tp", [1, 4])
+def test_greedy_tokens_equal_transformers_cached_generate(llama, tp):
+    """tpedu's KV-cache decoding of HF Llama weights (tp 4: KV heads replicated) picks the
+    greedy tokens of `LlamaForCausalLM.generate(do_sample=False, use_cache=True)`, RMSNorm and
+    RoPE in float64 on both sides (hf64), for prompts of different lengths in one batch."""
+    model, _, _ = llama
+    prompts, steps = [[5, 17, 3, 42, 8, 1], [33, 2, 49]], 8
+    with hf64():
+        expected = transformers_greedy(model, prompts, steps)
+    config = hf.config_from_hf(model.config)
+    state = hf.state_from_hf(model.state_dict(), config)
+    for got in launch(_greedy, tp, config, state, prompts, steps):
+        assert got == expected
+    assert len(set(expected[0][len(prompts[0]) :])) > 2  # not one token repeated

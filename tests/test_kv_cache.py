@@ -144,6 +144,24 @@ def test_generate_samples_the_same_tokens_with_and_without_the_cache():
     assert len(cached[0]) == 15
 
 
+def transformers_greedy(model, prompts, steps):
+    """transformers' own cached greedy decoding, one prompt at a time: prompt + `steps` ids."""
+    out = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = model.generate(
+                torch.tensor([p]),
+                attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                do_sample=False,
+                use_cache=True,
+                max_new_tokens=steps,
+                min_new_tokens=steps,
+                pad_token_id=0,
+            )
+            out.append(ids[0].tolist())
+    return out
+
+
 def hf_greedy(prompts, steps, tp):
     transformers = pytest.importorskip("transformers")
     from tpedu.checkpoint import hf
@@ -162,19 +180,7 @@ def hf_greedy(prompts, steps, tp):
         initializer_range=0.3,
     )
     ref = transformers.GPT2LMHeadModel(cfg).double().eval()
-    expected = []
-    with torch.no_grad():
-        for p in prompts:
-            ids = ref.generate(
-                torch.tensor([p]),
-                attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                do_sample=False,
-                use_cache=True,
-                max_new_tokens=steps,
-                min_new_tokens=steps,
-                pad_token_id=0,
-            )
-            expected.append(ids[0].tolist())
+    expected = transformers_greedy(ref, prompts, steps)
     config = hf.config_from_hf(ref.config)
     state = hf.state_from_hf(ref.state_dict(), config)
     return expected, launch(_hf_worker, tp, config, state, prompts, steps)

@@ -41,11 +41,13 @@ LAYERS = {
     "serve": 5,
     "analysis": 6,
     "course": 6,
+    "grading": 6,
     "cli": 7,
     "__main__": 8,
 }
 ORDER = (
-    "launcher < comm < tp < model < parallel < train = checkpoint = serve < analysis = course "
+    "launcher < comm < tp < model < parallel < train = checkpoint = serve < analysis = course = "
+    "grading "
     "< cli < __main__"
 )
 FACE_MAY_IMPORT = {f"{PACKAGE}.launcher"}

@@ -1,5 +1,6 @@
 """The what-if model's arithmetic (FLOP counts, ring volumes, bubble, MFU) — never timings."""
 
+import dataclasses
 import re
 
 import pytest
@@ -148,3 +149,32 @@ def test_the_seeds_claims_and_published_figures_are_computed():
     # with equal stages the model said 55 %, with the head's stage 52 %, as published
     mfu = int(re.search(r"(\d+)% of peak predicted", text).group(1))
     assert abs(mfu - 52) <= 2, text
+
+
+def test_long_context_splits_activations_and_prices_the_ring():
+    from tpedu.analysis.memory import activation_bytes_per_layer
+    from tpedu.analysis.whatif import long_context
+
+    m = ModelShape(
+        n_layers=2, hidden=64, n_heads=8, n_kv_heads=4, vocab_size=100, seq_len=64, micro_batch=1
+    )
+    one = long_context(m, tp=2, cp=1, hw=TOY)
+    two = long_context(m, tp=2, cp=2, hw=TOY)
+    # activations at s/cp, flash attention (no s² term): 2 layers · (s/2)·h·(10 + 24/2)
+    assert two["activations"] == 2 * 32 * 64 * (10 + 12)
+    assert two["activations"] == 2 * activation_bytes_per_layer(32, 1, 64, 8, 2, False, "selective")
+    assert one["activations"] == 2 * two["activations"]
+    # TP: 4 all-reduces per layer of b·(s/cp)·h bf16 values, ring over 2 GPUs inside the node
+    ar = 1e-5 * 2 + 2 * 32 * 64 * 2 * (1 / 2) / 1e9
+    assert two["tp_comm"] == pytest.approx(8 * ar, rel=1e-12)
+    assert one["cp_comm"] == 0 and one["cp_sends"] == 0
+    # ring: (2cp − 2) + (4cp − 2) = 8 sends per layer of [1, 4/2 KV heads, 32, 8] bf16
+    assert two["cp_sends"] == 16 and two["kv_block_bytes"] == 2 * 32 * 8 * 2
+    assert two["cp_comm"] == pytest.approx(16 * (1e-5 + 1024 / 1e9), rel=1e-12)
+    assert two["compute"] == pytest.approx(one["compute"] / 2, rel=1e-12)
+    # CP ranks tp apart: tp 2 × cp 4 spans 8 GPUs, past TOY's 4 per node: the network;
+    # (2·4 − 2) + (4·4 − 2) = 20 sends per layer of [1, 2, 16, 8] bf16
+    four = long_context(m, tp=2, cp=4, hw=TOY)
+    assert four["cp_comm"] == pytest.approx(40 * (1e-4 + 512 / 1e8), rel=1e-12)
+    with pytest.raises(ValueError, match="divisible by 2·cp"):
+        long_context(dataclasses.replace(m, seq_len=60), tp=2, cp=4)

@@ -39,8 +39,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tpedu.analysis.memory import activation_bytes_per_layer
 from tpedu.analysis.shape import ModelShape
 from tpedu.comm.cost_model import AlphaBeta
+from tpedu.cp.traffic import ring_messages
 
 
 @dataclass(frozen=True)
@@ -344,3 +346,91 @@ def widget(model: ModelShape | None = None):  # noqa: ANN201 - an ipywidgets box
     box = w.VBox([w.HBox([tp, pp, dp]), w.HBox([hw, eff]), out])
     display(box)
     return box
+
+
+# Decoding (lesson 17): one new token per sequence per step is bound by reading memory, not by
+# FLOPs. Datasheet HBM bandwidths, bytes/s per GPU.
+HBM_BANDWIDTH = {"H100 SXM": 3.35e12, "A100 SXM": 2.0e12}
+
+
+def decode_prediction(
+    shape: ModelShape,
+    hw: Hardware,
+    hbm: float,
+    tp: int,
+    batch: int,
+    context: int,
+    eff: float = 0.8,
+) -> dict[str, float]:
+    """Seconds per decode step of `batch` sequences at `context` cached positions, per part.
+
+    Each TP rank reads its share of the bf16 weights (2·N/tp bytes) and of the KV cache (its own
+    KV heads, or one replica of a head when tp > kv_heads), from HBM at hbm·eff bytes/s, and runs
+    2·layers + 1 all-reduces of batch·hidden bf16 values (`Hardware.all_reduce`). The matmuls
+    (batch·2N/tp FLOPs) hide under the reads at small batch and are not counted.
+    Returns weights, kv, comm, total (seconds) and bytes_per_token (weight bytes per rank per
+    generated token: 2·N/(tp·batch)).
+    """
+    weights = 2 * shape.n_params / tp  # bf16 bytes this rank reads
+    kv_heads_r = max(1.0, shape.kv_heads / tp)
+    kv = 2 * 2 * shape.n_layers * batch * context * kv_heads_r * shape.head_dim  # K and V, bf16
+    comm = (2 * shape.n_layers + 1) * hw.all_reduce(2 * batch * shape.hidden, tp)
+    out = {"weights": weights / (hbm * eff), "kv": kv / (hbm * eff), "comm": comm}
+    out["total"] = sum(out.values())
+    out["bytes_per_token"] = weights / batch
+    return out
+
+
+# Long context (lesson 16): context parallelism splits the sequence, so activations and TP
+# messages shrink by cp, while the ring's K/V blocks are what CP sends instead.
+
+
+def long_context(
+    model: ModelShape,
+    tp: int,
+    cp: int,
+    hw: Hardware = H100_SXM,
+    sp: bool = False,
+    efficiency: float = 0.7,
+    bytes_per_value: int = 2,
+) -> dict[str, float]:
+    """Per GPU, one micro-batch of `model.micro_batch` sequences of `model.seq_len` on tp·cp
+    GPUs (TP groups inside, CP ranks tp GPUs apart, as in tpedu's mesh), ring attention.
+
+    activations  bytes saved for backward, all layers: Korthikanti's per-layer formula at s/cp
+                 with flash attention (no s² terms: `activation_bytes_per_layer`'s "selective")
+    compute      FLOPs per token · tokens / (tp·cp) / (peak · efficiency): a zig-zag layout
+                 gives every CP rank the same share of the causal attention
+    tp_comm      4 all-reduces per layer of b·(s/cp)·h values over tp (`Hardware.all_reduce`)
+    cp_comm      the ring's sends per layer (tpedu.cp.traffic.ring_messages: 2(cp − 1) forward,
+                 4cp − 2 backward) of one [b, kv_heads/tp, s/cp, d] block each, α-β priced on
+                 the link spanning tp·cp GPUs; not overlapped (RingAttention overlaps each
+                 step's send with its block's attention, so this is the exposed time at worst)
+    cp_sends     those sends per step; kv_block_bytes the size of each.
+    """
+    if model.n_heads % tp or model.kv_heads % tp and tp % model.kv_heads:
+        raise ValueError(
+            f"{model.n_heads} heads / {model.kv_heads} KV heads do not split over tp={tp}"
+        )
+    if model.seq_len % (2 * cp):
+        raise ValueError(
+            f"seq_len {model.seq_len} is not divisible by 2·cp = {2 * cp} (the zig-zag layout)"
+        )
+    s, b, h, n_layers = model.seq_len // cp, model.micro_batch, model.hidden, model.n_layers
+    per_layer = activation_bytes_per_layer(s, b, h, model.n_heads, tp, sp, "selective")
+    tokens = b * model.seq_len
+    compute = tokens * model.flops_per_token() / (tp * cp) / (hw.peak_flops * efficiency)
+    tp_comm = 4 * n_layers * hw.all_reduce(b * s * h * bytes_per_value, tp)
+    kv_heads = max(1, model.kv_heads // tp)
+    msgs = ring_messages(b, kv_heads, model.seq_len, cp, model.head_dim, bytes_per_value, n_layers)
+    sends = msgs["forward"][0] + msgs["backward"][0]
+    block = b * kv_heads * s * model.head_dim * bytes_per_value
+    cp_comm = sends * hw.link(tp * cp).predict("send", block, 2) if cp > 1 else 0.0
+    return {
+        "activations": n_layers * per_layer,
+        "compute": compute,
+        "tp_comm": tp_comm,
+        "cp_comm": cp_comm,
+        "cp_sends": sends,
+        "kv_block_bytes": block,
+    }

@@ -183,6 +183,7 @@ def _train(args: argparse.Namespace) -> int:
         resume=args.resume,
         dtype=args.dtype,
         grad_reduce=args.grad_reduce,
+        param_gather=args.param_gather,
     )
     results = run(
         train,
@@ -215,8 +216,6 @@ def _dryrun(args: argparse.Namespace) -> int:
             fail(f"--{name} must be at least 1, got {getattr(args, name)}")
     if args.kv_heads is not None and args.kv_heads < 1:
         fail(f"--kv-heads must be at least 1, got {args.kv_heads}")
-    if args.cp != 1:
-        fail(f"--cp {args.cp}: the dry run does not model context parallelism yet; use --cp 1")
     if args.dtype != "fp32":
         fail(
             f"--dtype {args.dtype}: the dry run steps in fp32 only (torch.autocast does not run "

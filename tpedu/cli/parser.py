@@ -122,6 +122,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="fp32",
         help="data-parallel gradient all-reduce in fp32, or in --dtype (half the bytes)",
     )
+    tr.add_argument(
+        "--param-gather",
+        choices=["fp32", "low"],
+        default="fp32",
+        help="ZeRO-2/3's parameter all-gathers in fp32, or in --dtype (half the bytes)",
+    )
     tr.add_argument("--out", default=None, help="directory to save the trained model in")
     tr.add_argument("--json", default=None, help="also write the full summary (all losses) here")
     _layout_flags(tr)
@@ -200,7 +206,10 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
 def _layout_flags(p: argparse.ArgumentParser) -> None:
     """How the model runs, beside --tp: every ParallelConfig field (train, dryrun)."""
     p.add_argument(
-        "--cp", type=int, default=1, help="context-parallel ranks: the sequence split (tp only)"
+        "--cp",
+        type=int,
+        default=1,
+        help="context-parallel ranks: each sequence split over them (lesson 16)",
     )
     p.add_argument("--cp-strategy", choices=["ring", "ulysses"], default="ring")
     p.add_argument("--cp-layout", choices=["zigzag", "contiguous"], default="zigzag")

@@ -9,6 +9,12 @@ the one indirection (an adapter, as in Stanford CS336) that lets the same tests 
     python -m tpedu.course.grading            # score exercises/ (what `make grade` runs)
     python -m tpedu.course.grading solutions  # the reference must get full marks
     python -m tpedu.course.grading exercises l01_matmul_split   # just one exercise
+    python -m tpedu.course.grading hint l03 1                   # the first hint for lesson 03
+
+Hints come in levels, each closer to the code than the one before (1: the idea, 2: the shapes
+and the collectives, 3: the steps, short of the code itself). They live in one Markdown file per
+exercise, exercises/hints/<name>.md, apart from the stub: a learner reading the stub sees none
+of them, and asks for the next one only when stuck.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import ast
 import importlib
 import json
 import os
+import re
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -24,6 +31,8 @@ from types import ModuleType
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository: exercises/, solutions/
 KINDS = ("exercises", "solutions")
+HINTS = ROOT / "exercises" / "hints"  # <exercise name>.md, sections "## Hint 1", "## Hint 2", ...
+_HINT_HEADING = re.compile(r"^## Hint (\d+)[ \t]*$", re.MULTILINE)
 
 
 def _ensure_root_on_path() -> None:
@@ -74,6 +83,56 @@ def pick(name: str) -> ModuleType:
 def exercise_names() -> list[str]:
     """Every exercise module, in lesson order (file names sort by lesson)."""
     return sorted(p.stem for p in (ROOT / "exercises").glob("*.py") if p.stem != "__init__")
+
+
+def resolve(name: str) -> str:
+    """The exercise module named `name`: its full name ("l03_conjugate_ops") or its lesson
+    prefix ("l03") when only one exercise has it."""
+    names = exercise_names()
+    if name in names:
+        return name
+    found = [n for n in names if n.split("_")[0] == name]
+    if len(found) == 1:
+        return found[0]
+    if found:
+        raise ValueError(f"{name!r} names several exercises {found}: use the full name")
+    raise ValueError(f"no exercise {name!r}; choose from {names} (or their prefixes, e.g. 'l03')")
+
+
+def hints(name: str) -> list[str]:
+    """Every hint of exercise `name` (full name or "lNN"), level 1 first."""
+    name = resolve(name)
+    path = HINTS / f"{name}.md"
+    shown = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+    if not path.exists():
+        raise ValueError(f"exercise {name} has no hints file {shown}")
+    parts = _HINT_HEADING.split(path.read_text(encoding="utf-8"))
+    levels, texts = [int(k) for k in parts[1::2]], [t.strip() for t in parts[2::2]]
+    if levels != list(range(1, len(levels) + 1)):
+        raise ValueError(f"{shown}: hint levels must be 1, 2, ..., got {levels}")
+    return texts
+
+
+class Hint(str):
+    """A hint's text; shows as plain text (not a quoted string) in a notebook or the REPL."""
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+def hint(name: str, level: int = 1) -> Hint:
+    """Hint `level` (1, 2, 3, ...) for exercise `name` ("l03" or "l03_conjugate_ops").
+
+    Level 1 points at the idea, level 2 at the shapes and the collectives, level 3 at the steps;
+    none is the code. Ask for the next level only when the one before was not enough.
+    """
+    texts = hints(name)
+    if isinstance(level, bool) or not isinstance(level, int) or not 1 <= level <= len(texts):
+        raise ValueError(
+            f"{resolve(name)} has hint levels 1 to {len(texts)}, got {level!r}; "
+            "start with 1 and go up one at a time"
+        )
+    return Hint(f"{resolve(name)}, hint {level} of {len(texts)}:\n{texts[level - 1]}")
 
 
 @dataclass
@@ -152,11 +211,36 @@ def table(scores: list[Score]) -> str:
         "-" * 52,
         f"{'total':<26} {passed:>6} {total:>6}  {100 * passed / max(total, 1):.0f}%",
     ]
+    if passed < total:
+        lines += [
+            "",
+            "Stuck? Every exercise has hints, each closer to the code than the one before:",
+            "    python -m tpedu.course.grading hint l03 1      (then 2, then 3)",
+            "or, in Python or a notebook: from tpedu.grading import hint; hint('l03', 1)",
+        ]
     return "\n".join(lines)
+
+
+def _hint_command(args: list[str]) -> int:
+    """`hint NAME [LEVEL]`: print one hint; exit code 2 with the reason on bad input."""
+    try:
+        if not 1 <= len(args) <= 2:
+            raise ValueError(
+                "usage: python -m tpedu.course.grading hint NAME [LEVEL], e.g. hint l03 1"
+            )
+        if len(args) == 2 and not args[1].isdigit():
+            raise ValueError(f"LEVEL must be a number (1, 2, 3, ...), got {args[1]!r}")
+        print(hint(args[0], int(args[1]) if len(args) == 2 else 1))
+    except ValueError as e:
+        print(e, file=sys.stderr)
+        return 2
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "hint":
+        return _hint_command(argv[1:])
     kind = argv[0] if argv and argv[0] in KINDS else "exercises"
     unknown = [a for a in argv if a not in KINDS and a != "--json" and a not in exercise_names()]
     if unknown:

@@ -308,7 +308,11 @@ class TPGPT(nn.Module):
             if sp:
                 x = _embed_sequence_parallel(self, inputs, step)
             else:
-                mine = None if positions is None else positions[dist.get_rank(self.cp_group)]
+                # a copy, not a view of every rank's positions: the embedding then saves only
+                # this rank's s/cp ids for backward, on any device (the dry run counts them)
+                mine = (
+                    None if positions is None else positions[dist.get_rank(self.cp_group)].clone()
+                )
                 if cache is not None:
                     mine = cache.positions(inputs.shape[1])  # [b, s]
                 x = _embed(self, inputs, step, mine)

@@ -65,8 +65,11 @@ class FlatBuffer:
         group: dist.ProcessGroup | None,
         reduce_dtype: torch.dtype | None,
         decayed: bool,
+        gather_dtype: torch.dtype | None = None,
     ) -> None:
         self.params, self.group, self.reduce_dtype = params, group, reduce_dtype
+        self.gather_dtype = gather_dtype  # all-gather in this dtype (then widened), or as is
+        self.narrow: torch.Tensor | None = None  # the gather_dtype buffer while a gather runs
         self.decayed = decayed  # whether AdamW decays this buffer's shard
         self.size, rank = dist.get_world_size(group), dist.get_rank(group)
         total = sum(p.numel() for p in params)
@@ -103,11 +106,23 @@ class FlatBuffer:
         self.full.untyped_storage().resize_(self.nbytes)
         if self.log is not None:
             self.log.append(("gather", self, time.perf_counter()))
-        self.gather_work = collectives.all_gather_into(  # waited for below or when needed
-            self.full, self.shard.detach(), self.group, async_op=True
-        )
+        self.gather_work = self._all_gather(async_op=True)  # waited for below or when needed
         if not async_op:
             self.wait_gather()
+
+    def _all_gather(self, async_op: bool) -> dist.Work | collectives.CompletedWork:
+        """The shards into `full`; with a gather_dtype through a buffer of that dtype (half
+        the bytes for bf16), widened into `full` when waited for."""
+        if self.gather_dtype is None:
+            return collectives.all_gather_into(self.full, self.shard.detach(), self.group, async_op)
+        self.narrow = self.full.new_empty(self.full.shape, dtype=self.gather_dtype)
+        shard = self.shard.detach().to(self.gather_dtype)
+        return collectives.all_gather_into(self.narrow, shard, self.group, async_op)
+
+    def _widen(self) -> None:
+        if self.narrow is not None:
+            self.full.copy_(self.narrow)
+            self.narrow = None
 
     def wait_gather(self) -> None:
         if self.gather_work is not None:
@@ -115,6 +130,7 @@ class FlatBuffer:
             self.gather_work.wait()  # exposed communication: compute waits for it here
             self.waited += time.perf_counter() - start
             self.gather_work = None
+            self._widen()
         self.gathered = True
 
     def free(self) -> None:
@@ -151,7 +167,9 @@ class FlatBuffer:
     def write_params(self) -> None:
         """After the step: every replica's parameters from the owners' new shards."""
         if self.gathered:
-            collectives.all_gather_into(self.full, self.shard.detach(), self.group)
+            self._all_gather(async_op=False).wait()
+            with torch.no_grad():
+                self._widen()
 
 
 class _GatherForBackward(torch.autograd.Function):
@@ -195,7 +213,9 @@ class ShardedDataParallel:
     Per step: forward/backward (micro-batches inside `no_sync()` except the last), the caller's
     gradient fix-ups on `defer`'s parameters, `finish()`, clipping with `squared_grad_sum()`,
     `step()`. `decay(p)`: whether AdamW decays p; `weight_of(chunk, name)`: the gradient-norm
-    weight of a chunk's parameter (1 / copies); `reduce_dtype`: as DataParallel's; `prefetch`
+    weight of a chunk's parameter (1 / copies); `reduce_dtype`: as DataParallel's;
+    `gather_dtype` (e.g. torch.bfloat16): all-gather the parameters in it, half the bytes, the
+    replicas' parameters then rounded to it (AdamW's fp32 shards are not); `prefetch`
     (ZeRO-3): start the neighbouring block's all-gather early (False: only when it is needed).
     """
 
@@ -209,6 +229,7 @@ class ShardedDataParallel:
         weight_of: Callable[[nn.Module, str], torch.Tensor | float],
         defer: Sequence[nn.Parameter] = (),
         reduce_dtype: torch.dtype | None = None,
+        gather_dtype: torch.dtype | None = None,
         lr: float = 1e-3,
         betas: tuple[float, float] = (0.9, 0.95),
         weight_decay: float = 0.0,
@@ -218,6 +239,7 @@ class ShardedDataParallel:
             raise ValueError(f"ShardedDataParallel level must be one of {LEVELS}, got {level}")
         self.level, self.group, self.sync, self.prefetch = level, group, True, prefetch
         self.decay, self.weight_of, self.reduce_dtype = decay, weight_of, reduce_dtype
+        self.gather_dtype = gather_dtype
         self.deferred = {id(p) for p in defer}
         self.peak_gathered = 0  # ZeRO-3: most bytes of whole parameters held at once
         self.units: list[_Unit] = []
@@ -263,7 +285,12 @@ class ShardedDataParallel:
                 if part:
                     weights = [self.weight_of(chunk, n) for n, _ in part]
                     buf = FlatBuffer(
-                        [p for _, p in part], weights, self.group, self.reduce_dtype, decayed
+                        [p for _, p in part],
+                        weights,
+                        self.group,
+                        self.reduce_dtype,
+                        decayed,
+                        self.gather_dtype,
                     )
                     for _, p in part:
                         p.register_post_accumulate_grad_hook(self._grad_hook(buf, late))

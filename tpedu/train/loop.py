@@ -72,14 +72,16 @@ class TrainConfig:
     resume: str | None = None  # a checkpoint (step dir or its parent) to continue from
     dtype: str = "fp32"  # "bf16" / "fp16": autocast compute, fp32 master weights (precision.py)
     grad_reduce: str = "fp32"  # DP all-reduce of the gradients: "fp32", or "low" (= dtype)
+    param_gather: str = "fp32"  # ZeRO-2/3's parameter all-gathers: "fp32", or "low" (= dtype)
     loss_scale: float = 2.0**16  # fp16: the initial loss scale ...
     loss_scale_window: int = 1000  # ... doubled after this many steps without an overflow
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
-        if self.grad_reduce not in ("fp32", "low"):
-            raise ValueError(f"grad_reduce must be 'fp32' or 'low', got {self.grad_reduce!r}")
+        for name in ("grad_reduce", "param_gather"):
+            if getattr(self, name) not in ("fp32", "low"):
+                raise ValueError(f"{name} must be 'fp32' or 'low', got {getattr(self, name)!r}")
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -167,6 +169,7 @@ def make_sharded(
         weight_of=weight_of,
         defer=defer,
         reduce_dtype=DTYPES[cfg.dtype] if cfg.grad_reduce == "low" else None,
+        gather_dtype=DTYPES[cfg.dtype] if cfg.param_gather == "low" else None,
         lr=cfg.lr,
         betas=(0.9, 0.95),
         weight_decay=cfg.weight_decay,
