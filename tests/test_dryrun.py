@@ -29,6 +29,7 @@ from tpedu.comm.tracer import CommTracer
 from tpedu.model.config import GPTConfig
 from tpedu.parallel.config import ParallelConfig
 from tpedu.train.loop import TrainConfig, train
+from tpedu.train.loop import make_sharded as train_make_sharded
 
 SMALL = GPTConfig.gpt2_like(101, seq_len=16, n_layers=4, hidden=32, n_heads=4)
 BIG = GPTConfig.gpt2_like(50257, seq_len=2048, n_layers=32, hidden=4096, n_heads=32)
@@ -48,6 +49,18 @@ LAYOUTS = {
         dataclasses.replace(SMALL, vocab_parallel=False, tie_embeddings=False),
         ParallelConfig(2),
     ),
+    "tp2 cp2 (train's TP loop), ring, zig-zag": (SMALL, ParallelConfig(2, cp=2)),
+    "dp2 cp2, ring, contiguous, selective": (
+        SMALL,
+        ParallelConfig(1, 1, 2, cp=2, cp_layout="contiguous", recompute="selective"),
+    ),
+    "pp2 cp2, Ulysses, full recompute, GQA": (
+        dataclasses.replace(SMALL, n_kv_heads=2),
+        ParallelConfig(1, 2, 1, cp=2, cp_strategy="ulysses", recompute="full"),
+    ),
+    "dp2 ZeRO-2": (SMALL, ParallelConfig(1, 1, 2, zero=2)),
+    "tp2 dp2 ZeRO-3": (SMALL, ParallelConfig(2, 1, 2, zero=3)),
+    "pp2 dp2 ZeRO-3, tied embedding over the stages": (SMALL, ParallelConfig(1, 2, 2, zero=3)),
     "llama pp2 dp2, interleaved": (
         GPTConfig.llama_like(101, seq_len=16, n_layers=4, hidden=32, n_heads=4),
         ParallelConfig(1, 2, 2, schedule="interleaved", chunks=2, micro_batches=2),
@@ -88,6 +101,23 @@ def test_small_layouts_fully_explained(name):
             assert abs(c.unexplained) < 0.5, (run.figures.rank, c)
 
 
+@pytest.mark.parametrize(
+    ("kv_heads", "parallel"),
+    [
+        (4, ParallelConfig(2, cp=2, cp_strategy="ulysses")),
+        (2, ParallelConfig(1, 2, 1, cp=2, cp_strategy="ulysses", recompute="selective")),
+        (2, ParallelConfig(2, 1, 2, cp=2, recompute="full", zero=1)),
+    ],
+    ids=["ulysses", "ulysses pp2 selective GQA", "ring dp2 full ZeRO-1 GQA"],
+)
+def test_context_parallel_layouts_fully_explained(kv_heads, parallel):
+    """More CP cores and recomputations, with grouped-query attention (dry runs only)."""
+    config = dataclasses.replace(SMALL, n_kv_heads=kv_heads)
+    for run in dryrun.dry_run(config, parallel, 8, range(parallel.world)):
+        for c in run.comparisons:
+            assert abs(c.unexplained) < 0.5, (run.figures.rank, c)
+
+
 @pytest.fixture(scope="module")
 def big_runs():
     """The README's SLURM example (6.7B, 128 GPUs, ZeRO-1, batch 64): rank 0, a middle stage's
@@ -120,6 +150,100 @@ def test_big_layout_against_the_ledger(big_runs):
     assert last.last and not last.first and last.act_head > 0 and last.act_embedding == 0
 
 
+def test_long_context_layout_splits_activations_and_sends_the_ring():
+    """Two blocks of the 6.7B model at s = 32k on one node: TP 4 vs TP 4 × CP 2 (zig-zag
+    ring). Per block the activations and the TP messages halve with s/cp (flash attention:
+    linear in s); the CP group carries exactly the ring's K/V sends plus the loss's mean and
+    the gradients' sum; nothing unexplained."""
+    big = dataclasses.replace(BIG, seq_len=32768, n_layers=2)
+    tp4 = dryrun.dry_run(big, ParallelConfig(4), 1)[0]
+    cp2 = dryrun.dry_run(big, ParallelConfig(4, cp=2), 1)[0]
+    for run in (tp4, cp2):
+        for c in run.comparisons:
+            assert c.predicted is not None and abs(c.unexplained) < 0.5, c
+    f, s = cp2.figures, big.seq_len
+    positions = 8 * s  # [cp, s/cp] int64, kept once by the first block's ring attention
+    assert 2 * (f.act_per_layer - positions) == tp4.figures.act_per_layer
+    # TP: s/cp positions per message (minus the gradient norm's 8 bytes; train's TP loop runs
+    # tp 4 alone over the world, with the preemption check's 4)
+    assert 2 * (f.sent("tp") - 8) == tp4.figures.sent("world") - 12
+    cp = {(t.op, t.phase): t for t in f.traffic if t.group == "cp"}
+    block = 1 * (32 // 4) * (s // 2) * (4096 // 32) * 4  # [b, kv_heads/tp, s/cp, d] fp32
+    assert cp["send", "forward"].calls == 2 * 2 and cp["send", "backward"].calls == 2 * 6
+    assert cp["send", "forward"].bytes == 4 * block and cp["recv", "backward"].bytes == 12 * block
+    assert cp["all_reduce", "grad_sync"].bytes == f.weights  # every gradient, once
+
+
+def test_cli_dry_runs_context_parallel_layouts(capfd):
+    code, out, err = tpedu(
+        capfd,
+        "dryrun",
+        *"--tp 2 --cp 2 --dp 2 --layers 2 --hidden 32 --heads 4 --seq 16 --vocab 101".split(),
+        *"--rank all".split(),
+    )
+    assert code == 0, err
+    head, _, *rows = out.strip().splitlines()
+    assert head.split()[-2] == "cp" and [int(r.split()[0]) for r in rows] == list(range(8))
+    assert all(float(r.split()[-2]) > 0 and r.split()[-1] == "0" for r in rows)
+
+
+def test_zero_with_padded_flat_buffers_equals_real_ranks():
+    """dp 3: the vector buffers are padded to a multiple of 3 (each block's 416 elements by 1,
+    the final norm's 64 by 2); ZeRO-3's figures, gathered peak and traffic equal gloo ranks', and the
+    padding is named in every figure it touches."""
+    parallel = ParallelConfig(1, 1, 3, zero=3)
+    dry = [r for r in dryrun.dry_run(SMALL, parallel, 6, range(3))]
+    real = launch(_measure, 3, SMALL, parallel, 6)
+    for d, r in zip(dry, real, strict=True):
+        assert d.figures.comparable() == r.comparable(), f"rank {r.rank}"
+        assert sum(3 * n - e for e, n, *_ in r.flat_buffers) == 4 * 1 + 2
+        for c in d.comparisons:
+            assert abs(c.unexplained) < 0.5, c
+        for what in ("weights", "gradients", "optimizer states", "dp traffic"):
+            assert any("padded to a multiple of N = 3" in t.name for t in d.comparison(what).terms)
+
+
+@pytest.fixture(scope="module")
+def big_zero3():
+    """The 128-GPU layout under ZeRO-3 (batch 64: 8 micro-batches per replica): rank 0 and
+    the last stage's rank 12."""
+    parallel = ParallelConfig(4, 4, 8, zero=3)
+    return {r.figures.rank: r for r in dryrun.dry_run(BIG, parallel, 64, [0, 12])}
+
+
+def test_big_layout_zero3_against_the_ledger(big_zero3):
+    for rank, run in big_zero3.items():
+        for c in run.comparisons:
+            assert c.predicted is not None and abs(c.unexplained) < 0.5, (rank, c)
+    f = big_zero3[0].figures
+    shard = sum(n for _, n, *_ in f.flat_buffers)
+    assert f.weights == f.gradients == 4 * shard and f.optimizer == 8 * shard  # no whole copy
+    assert 8 * shard >= f.params  # the padding: at most N - 1 per buffer
+    assert 8 * shard - f.params <= 7 * len(f.flat_buffers)
+    dp = {(t.op, t.phase): t.bytes for t in f.traffic if t.group == "dp"}
+    # 8 micro-batches: each block gathered 8 times forward, 8 times backward; Ψ reduce-scattered
+    blocks = sum(8 * n for _, n, _, b in f.flat_buffers if b >= 0) * 4
+    assert dp["all_gather", "backward"] == 8 * blocks
+    scattered = sum(b for (op, _), b in dp.items() if op == "reduce_scatter")  # + deferred ones
+    assert scattered == 8 * shard * 4
+    assert f.peak_gathered < 4 * f.params / 2  # the rest and two blocks, not the stage
+
+
+def test_zero3_peak_without_prefetch_is_unexplained(monkeypatch, big_zero3):
+    """Mutation: without the prefetch, the gathered peak is one block smaller than the formula
+    (the running block only): the comparison is not vacuous."""
+    monkeypatch.setattr(dryrun, "make_sharded", _no_prefetch)
+    run = dryrun.dry_run(BIG, ParallelConfig(4, 4, 8, zero=3), 64, [0])[0]
+    c = run.comparison("whole parameters (peak)")
+    assert c.measured < big_zero3[0].figures.peak_gathered and c.unexplained < -1e6
+
+
+def _no_prefetch(*args, **kw):
+    sdp = train_make_sharded(*args, **kw)
+    sdp.prefetch = False
+    return sdp
+
+
 def test_a_miscounted_byte_is_unexplained(big_runs):
     run = big_runs[37]
     for field in ("weights", "optimizer_steps", "act_layers"):
@@ -129,6 +253,14 @@ def test_a_miscounted_byte_is_unexplained(big_runs):
         comps = dryrun.compare(wrong, BIG, run.parallel, run.batch)
         assert sum(abs(c.unexplained) for c in comps) == 1, field
         assert "UNEXPLAINED" in dryrun.format_table(dataclasses.replace(run, comparisons=comps))
+
+
+def test_a_miscounted_zero3_byte_is_unexplained(big_zero3):
+    run = big_zero3[12]
+    for field in ("weights", "gradients", "optimizer", "peak_gathered"):
+        wrong = dataclasses.replace(run.figures, **{field: getattr(run.figures, field) + 1})
+        comps = dryrun.compare(wrong, BIG, run.parallel, run.batch)
+        assert sum(abs(c.unexplained) for c in comps) == 1, field
 
 
 def test_nothing_leaks_into_the_caller():
@@ -207,6 +339,7 @@ def test_cli_rank_all(capfd):
         (["--dtype", "bf16"], "--dtype bf16: the dry run steps in fp32 only"),
         (["--pp", "2", "--micro-batches", "3"], "--micro-batches 3 does not divide"),
         (["--tp", "4", "--seq", "18", "--sequence-parallel"], "s = 18 is not divisible by tp=4"),
+        (["--cp", "2", "--seq", "18"], "sequence length 18 is not divisible by 4 (2·cp = 4)"),
     ],
 )
 def test_cli_bad_input_is_one_line(capfd, args, message):

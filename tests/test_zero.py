@@ -162,11 +162,12 @@ def test_mixed_precision_under_zero_matches_plain_dp(dtype):
             assert runs[zero]["loss_scale"] == runs[0]["loss_scale"]
 
 
-def test_dry_run_refuses_zero_2_and_3():
+def test_dry_run_accepts_zero_2_and_3():
+    """(Its measurements are tests/test_dryrun.py's: dry run == real ranks under ZeRO-2/3.)"""
     from tpedu.analysis.dryrun import check_setup
 
-    with pytest.raises(ValueError, match="the dry run measures ZeRO stages 0 and 1, not 3"):
-        check_setup(CONFIG, ParallelConfig(dp=2, zero=3), 4)
+    for zero in (2, 3):
+        assert check_setup(CONFIG, ParallelConfig(dp=2, zero=zero), 4) == 1
 
 
 def test_without_prefetch_zero3_holds_one_block_and_computes_the_same():

@@ -20,7 +20,8 @@ How (`measure_rank`, the same code on a real process group and on a fake one):
 3. One training step as `tpedu.train.loop` runs it, in fp32 (train's default --dtype):
    `run_loop` for one step around `step_3d` (the pipeline schedule for this rank's stage, DP
    bucket all-reduces, tied-embedding and TP gradient fix-ups, the gradient norm, AdamW or
-   ZeRO-1) and _train_3d's loss all-reduce; with tp only, `train_step`'s calls.
+   ZeRO-1, or with ZeRO-2/3 `make_sharded`'s ShardedDataParallel as both the gradient reducer
+   and the optimizer) and _train_3d's loss all-reduce; with tp only, `train_step`'s calls.
    `CommTracer` records every collective; `SavedTensorCounter` every tensor saved for
    backward (keyed by storage identity: meta tensors have no data pointers); the peak is the
    largest sum over the micro-batch forwards the schedule holds at once.
@@ -34,6 +35,19 @@ Two things meta tensors would get wrong, and what is done instead:
   gloo ranks). CUDA's flash kernels save the same kinds of tensors (plus their RNG state).
 - Data-dependent checks (token ids in range) cannot look at values: tpedu.tp's embedding
   and loss skip them for meta tensors.
+
+Context parallelism (cp > 1): each rank builds its TPGPT with its CP group (the mesh's cp
+axis, or train's TP loop's TP and CP groups) and steps on its s/cp positions, as train feeds
+them (`TPGPT.local_sequence`). Ring attention on meta tensors decides which K/V blocks to skip
+from the real positions (a CPU tensor). The ledger's activations are then those of s/cp
+positions, TP messages hold s/cp positions, and the CP group's traffic is set beside
+tpedu.cp.traffic's formulas (the ring's K/V sends or Ulysses' all-to-alls), the loss's mean
+over the whole sequence and the gradients' sum over CP.
+
+ZeRO-2/3: the parameters are views into flat buffers (ZeRO-3 resizes their storage to
+nothing at rest, which works on meta tensors too), so the weights are the whole buffers still
+held after the step plus the fp32 shards AdamW steps; the gradients and AdamW's states are the
+shards'; `peak_gathered` is the most bytes of whole parameters held at once during the step.
 
 Then `compare` sets each figure beside its prediction: the memory ledger
 (`tpedu.analysis.memory.ledger`, for pipeline stage 0, at fp32: 4 + 4 + 8 bytes per parameter)
@@ -65,6 +79,7 @@ from tpedu.analysis.memory import GB, activation_bytes_per_layer, ledger
 from tpedu.analysis.shape import ModelShape, layer_params
 from tpedu.comm import collectives
 from tpedu.comm.tracer import CommTracer
+from tpedu.cp.traffic import ring_messages, ulysses_messages
 from tpedu.model.config import GPTConfig
 from tpedu.model.dense import DenseGPT
 from tpedu.model.gpt import TPGPT
@@ -74,12 +89,15 @@ from tpedu.parallel.mesh import Mesh
 from tpedu.parallel.pipeline.runtime import Pipe, build_stage_chunks
 from tpedu.parallel.pipeline.schedules import _parts
 from tpedu.parallel.pipeline.schedules import schedule as pipeline_schedule
+from tpedu.parallel.zero import ShardedDataParallel
 from tpedu.tp.embedding import padded_vocab
 from tpedu.train.loop import (
     TrainConfig,
     clip_grads,
+    context_parallel_groups,
     default_micro_batches,
     make_optimizer,
+    make_sharded,
     make_stage_optimizer,
     replica_mean,
     run_loop,
@@ -146,6 +164,11 @@ class RankFigures:
     act_head: int
     act_per_layer: int
     traffic: tuple[Traffic, ...]
+    # ZeRO-2/3: each flat buffer's (parameter elements, shard elements n, model chunk, block
+    # index in the chunk or -1 for the chunk's rest), and the most bytes of whole parameters
+    # held at once during the step
+    flat_buffers: tuple[tuple[int, int, int, int], ...] = ()
+    peak_gathered: int = 0
 
     @property
     def blocks(self) -> int:
@@ -173,6 +196,8 @@ class RankFigures:
                 "act_layers",
                 "act_head",
                 "traffic",
+                "flat_buffers",
+                "peak_gathered",
             )
         }
 
@@ -374,8 +399,11 @@ def traffic_summary(tracer: CommTracer) -> tuple[Traffic, ...]:
 def _optimizer_state(opt: object, params: Sequence[nn.Parameter]) -> tuple[int, int, int, int]:
     """(bytes of per-parameter states, bytes of the other (step) states) that an AdamW or a
     ZeRO1 holds, and (parameters, tensors) it is to update: all of `params`, or with ZeRO-1
-    those its assignment (`owner`) gives this rank. Sizes from shapes: valid on meta."""
-    if isinstance(opt, ZeRO1):
+    those its assignment (`owner`) gives this rank, or with ZeRO-2/3 its shards (padding
+    included). Sizes from shapes: valid on meta."""
+    if isinstance(opt, ShardedDataParallel):
+        inner, owned = opt.inner, opt.shards()
+    elif isinstance(opt, ZeRO1):
         inner = opt.inner
         owned = [p for p in params if opt.owner[id(p)] == opt.rank]
     else:
@@ -418,28 +446,38 @@ def measure_rank(
     tp, pp, dp, v = parallel.tp, parallel.pp, parallel.dp, parallel.chunks
     seq, hidden = config.seq_len, config.hidden
     with attention_as_on_device():
-        if parallel.tp_only:  # train's TP loop: one model over the world (group None)
-            chunks = [TPGPT(dense, None, **options)]
+        if parallel.tp_only:  # train's TP loop: one model over the world (group None), or
+            # over its TP group with context parallelism
+            tp_group, cp_group = context_parallel_groups(parallel)
+            cp_option = {"cp_group": cp_group} if parallel.cp > 1 else {}
+            chunks = [TPGPT(dense, tp_group, **options, **cp_option)]
             stage: nn.Module = chunks[0]
             opt = make_optimizer(stage, cfg)
             b, acts = batch, [("F", 0), ("B", 0)]
         else:
             mesh = Mesh(parallel.layout)
+            if parallel.cp > 1:
+                options = options | {"cp_group": mesh.cp_group}
             # As _train_3d builds this rank's part, on the meta device instead of build_sharded
             chunks = build_stage_chunks(
                 dense, mesh.tp_group, mesh.pp_rank, pp, v, parallel.stage_split, **options
             )
             stage = nn.ModuleList(chunks)
-            dpar = DataParallel(stage, mesh.dp_group) if dp > 1 else None
-            opt = make_stage_optimizer(stage, cfg, parallel.zero, mesh.dp_group)
+            if parallel.zero >= 2:  # as _train_3d: one object reduces and steps the shards
+                dpar = opt = make_sharded(chunks, cfg, parallel.zero, mesh)
+            else:
+                dpar = DataParallel(stage, mesh.dp_group) if dp > 1 else None
+                opt = make_stage_optimizer(stage, cfg, parallel.zero, mesh.dp_group)
             b = batch // dp
             acts = pipeline_schedule(parallel.schedule, m, pp, mesh.pp_rank, v)
         micro = b // m
         # inputs and targets apart, as a real batch has them (a shared storage would be
         # counted once by SavedTensorCounter)
-        ids = [torch.zeros(micro, seq, dtype=torch.long, device=device) for _ in range(m)]
-        targets = [torch.zeros(micro, seq, dtype=torch.long, device=device) for _ in range(m)]
-        s_local = seq // tp if parallel.sequence_parallel else seq
+        # (CP: this rank's s/cp positions, as local_sequence gives them)
+        s_cp = seq // parallel.cp
+        ids = [torch.zeros(micro, s_cp, dtype=torch.long, device=device) for _ in range(m)]
+        targets = [torch.zeros(micro, s_cp, dtype=torch.long, device=device) for _ in range(m)]
+        s_local = seq // tp if parallel.sequence_parallel else s_cp
 
         def step(k: int) -> tuple[float, float]:
             # One step as train's loops run it, minus their .item()s (meta has no values).
@@ -483,7 +521,27 @@ def measure_rank(
             windows.remove()
     peak, held, parts = _peak(acts, windows.per_forward)
     params = list(stage.parameters())
-    grads = [p.grad for p in params if p.grad is not None]
+    weights = sum(p.numel() * p.element_size() for p in params)
+    owners = params  # what holds gradients
+    flat, peak_gathered = (), 0
+    if isinstance(opt, ShardedDataParallel):
+        # The parameters are views into the flat buffers (ZeRO-3: resized to nothing at rest),
+        # so their shapes no longer tell the storage: count the whole buffers still held
+        # and the fp32 shards AdamW steps; the full gradients are dropped, the shards' kept.
+        owners = params + opt.shards()
+        weights = opt.gathered_bytes() + sum(s.numel() * s.element_size() for s in opt.shards())
+        where = {}  # id(module) -> (chunk, block index or -1)
+        for c, chunk in enumerate(chunks):
+            where[id(chunk)] = (c, -1)
+            where |= {id(block): (c, i) for i, block in enumerate(chunk.blocks)}
+        flat = tuple(
+            (sum(p.numel() for p in b.params), b.n, *where[id(u.module)])
+            for u in opt.units
+            for b in u.buffers
+        )
+        # ZeRO-2 holds every buffer whole throughout (its peak is all of them)
+        peak_gathered = opt.peak_gathered if opt.level == 3 else opt.gathered_bytes()
+    grads = [p.grad for p in owners if p.grad is not None]
     opt_bytes, opt_other, opt_params, opt_tensors = _optimizer_state(opt, params)
     chunk_layers = tuple(
         (c.layer_ids[0], c.layer_ids[-1] + 1) if c.layer_ids else (0, 0) for c in chunks
@@ -499,7 +557,7 @@ def measure_rank(
         micro_batch=micro,
         params=sum(p.numel() for p in params),
         param_tensors=len(params),
-        weights=sum(p.numel() * p.element_size() for p in params),
+        weights=weights,
         gradients=sum(g.numel() * g.element_size() for g in grads),
         optimizer=opt_bytes,
         optimizer_steps=opt_other,
@@ -515,6 +573,8 @@ def measure_rank(
         act_head=parts[2],
         act_per_layer=windows.per_layer,
         traffic=traffic_summary(tracer),
+        flat_buffers=flat,
+        peak_gathered=peak_gathered,
     )
 
 
@@ -681,20 +741,39 @@ def _layer_terms(
         ("no dropout masks (dropout 0)", -masks),
         ("4-byte values (fp32), the paper's 2", values * (e / 2 - 1)),
     ]
+    # context parallelism: the core is ring attention or Ulysses' (all-to-alls around flash)
+    ring = parallel.cp > 1 and parallel.cp_strategy == "ring"
+    ulysses = parallel.cp > 1 and not ring
     if rc == "none":
         out.append(
             ("flash attention keeps no [b, a/t, s, s] probabilities", -2 * a * s * s * b / t * e)
         )
-        out.append(("flash attention's logsumexp [b, a/t, s] (fp32)", b * nq * s * 4))
+        who = "ring attention's" if ring else "flash attention's"
+        out.append((f"{who} logsumexp [b, a/t, s] (fp32)", b * nq * s * 4))
     out.append(("LayerNorm mean and 1/std (2 norms)", 2 * 2 * b * s / rep * 4))
-    if nq != nkv and rc == "none":
+    if parallel.cp > 1 and rc == "selective":  # recompute_core is the single-rank core's
+        who = "ring attention's" if ring else "Ulysses' flash attention's"
+        out.append(
+            (f"CP: the core is not recomputed, {who} logsumexp [b, a/t, s] (fp32)", b * nq * s * 4)
+        )
+    if ulysses:
+        out.append(
+            (
+                "Ulysses: the core's output [b, a/(t·cp), s·cp, d] apart from the "
+                "out-projection's input, and 2 int64 position orders [s·cp]",
+                b * s * nq * d * e + 2 * 8 * s * parallel.cp,
+            )
+        )
+    # GQA: flash attention saves K, V repeated (and the QKV output), ring attention K, V with
+    # their KV heads, Ulysses K, V repeated after its all-to-alls (not the QKV output): exact
+    if nq != nkv and rc == "none" and not parallel.cp > 1:
         out.append(
             (
                 "GQA: K, V repeated to the q heads; the QKV output keeps the originals",
                 2 * nkv * d * b * s * e,
             )
         )
-    elif nq != nkv:
+    elif nq != nkv and not ulysses:
         out.append(("GQA: K, V saved with their n_kv heads", -2 * (nq - nkv) * d * b * s * e))
     if c.ffn != 4 * h:
         out.append((f"MLP width {c.ffn}, the paper's 4h", 2 * b * s * (c.ffn - 4 * h) / t * e))
@@ -735,10 +814,20 @@ def _head_saved(config: GPTConfig, parallel: ParallelConfig, micro: int) -> tupl
     return "final norm, replicated LM head, cross-entropy", norm + b * s * h * e + loss
 
 
+def _local(config: GPTConfig, parallel: ParallelConfig) -> GPTConfig:
+    """The config at this rank's s/cp positions (context parallelism), for the formulas that
+    count per position."""
+    if parallel.cp == 1:
+        return config
+    return dataclasses.replace(config, seq_len=config.seq_len // parallel.cp)
+
+
 def _activation_comparison(
     fig: RankFigures, config: GPTConfig, parallel: ParallelConfig, predicted: float
 ) -> Comparison:
-    c, pp = config, parallel.pp
+    """The ledger's activations (at s/cp positions with context parallelism) against the
+    measured peak."""
+    c, pp = _local(config, parallel), parallel.pp
     paper = activation_bytes_per_layer(
         c.seq_len,
         fig.micro_batch,
@@ -775,7 +864,64 @@ def _activation_comparison(
     ):
         if held:
             terms.append(Term(f"{name} × {held} (the ledger leaves them out)", value * held))
+    ring = parallel.cp_strategy == "ring"
+    if parallel.cp > 1 and (ring or parallel.recompute == "full") and fig.in_flight:
+        # TPGPT computes them once per forward; every block saves the same tensor
+        who = "ring attention" if ring else "each checkpointed block"
+        terms.append(
+            Term(
+                f"CP: the global positions [cp, s/cp] (int64) {who} keeps, once per "
+                f"model-chunk forward × {fig.in_flight}",
+                8 * config.seq_len * fig.in_flight,
+            )
+        )
     return Comparison("activations (peak)", fig.activations, predicted, "ledger", tuple(terms))
+
+
+def _padding_term(fig: RankFigures, dp: int) -> Term | None:
+    """ZeRO-2/3: the elements each flat buffer adds to reach a multiple of N = dp (at most N-1
+    per buffer), as a parameter count; None without flat buffers or padding."""
+    pad = sum(dp * n - elements for elements, n, *_ in fig.flat_buffers)
+    if not pad:
+        return None
+    return Term(
+        f"flat buffers padded to a multiple of N = {dp}: {pad:,} elements over "
+        f"{_n(len(fig.flat_buffers), 'buffer')}",
+        pad,
+    )
+
+
+def _gathered_comparison(
+    fig: RankFigures, parallel: ParallelConfig, whole: float, terms: list[Term]
+) -> Comparison:
+    """The most bytes of whole parameters held at once during the step. ZeRO-2: all of them,
+    always (the ledger's undivided weights, `whole`, plus `terms`: the parameter and padding
+    terms). ZeRO-3: the ledger counts none; what is held is each chunk's rest (gathered at
+    its first forward, kept until the step) and, of the blocks, the one running and the
+    neighbour whose all-gather was started early (prefetch), at most two adjacent ones."""
+    what = "whole parameters (peak)"
+    if parallel.zero == 2:
+        return Comparison(what, fig.peak_gathered, whole, "ledger", tuple(terms))
+    e, dp = VALUE_BYTES, parallel.dp
+    rest = sum(dp * n for _, n, _, block in fig.flat_buffers if block < 0) * e
+    blocks: dict[tuple[int, int], int] = {}
+    for _, n, chunk, block in fig.flat_buffers:
+        if block >= 0:
+            blocks[chunk, block] = blocks.get((chunk, block), 0) + dp * n * e
+    pairs = [blocks[k] + blocks.get((k[0], k[1] + 1), 0) for k in blocks]
+    return Comparison(
+        what,
+        fig.peak_gathered,
+        0.0,
+        "ledger",
+        (
+            Term("ZeRO-3: every chunk's rest (embedding, final norm, head), kept gathered", rest),
+            Term(
+                "ZeRO-3: the largest two adjacent blocks: one running, the next prefetched",
+                max(pairs, default=0),
+            ),
+        ),
+    )
 
 
 def _memory_comparisons(
@@ -789,9 +935,11 @@ def _memory_comparisons(
         ("optimizer states", fig.optimizer + fig.optimizer_steps),
         ("activations (peak)", fig.activations),
     ]
+    if parallel.zero >= 2:
+        measured.insert(4, ("whole parameters (peak)", fig.peak_gathered))
     if shape is None:
         return [Comparison(w, v, None, "ledger", note=why) for w, v in measured]
-    dp, zero = parallel.dp, bool(parallel.zero)
+    dp, zero = parallel.dp, parallel.zero
     try:
         led = ledger(
             shape,
@@ -800,34 +948,41 @@ def _memory_comparisons(
             dp,
             parallel.sequence_parallel,
             parallel.recompute,
-            zero,
-            VALUE_BYTES,
-            VALUE_BYTES,
-            ADAMW_BYTES,
+            weight_bytes=VALUE_BYTES,
+            grad_bytes=VALUE_BYTES,
+            optimizer_bytes=ADAMW_BYTES,
+            zero=zero,
         )
     except ValueError as e:  # e.g. KV heads replicated (tp > KV heads): the ledger refuses
         return [Comparison(w, v, None, "ledger", note=str(e)) for w, v in measured]
     params = _param_terms(fig, config, parallel)
+    pad = _padding_term(fig, dp)
+
+    def scaled(per_param: float, divisor: int) -> list[Term]:
+        """The parameter terms (and ZeRO-2/3's padding) at `per_param` bytes, 1/divisor."""
+        terms = params + ([pad] if pad else [])
+        return [Term(t.name, t.value * per_param / divisor) for t in terms]
+
+    w_div, g_div, o_div = (dp if zero >= k else 1 for k in (3, 2, 1))
+    weights = scaled(VALUE_BYTES, w_div)
+    if zero == 2:
+        shard = sum(n for _, n, *_ in fig.flat_buffers)
+        weights.append(
+            Term(
+                f"ZeRO-2: the fp32 shards AdamW steps ({shard:,} elements), apart from the "
+                "whole parameters they are all-gathered into",
+                shard * VALUE_BYTES,
+            )
+        )
     out = [
         Comparison("parameters", fig.params, led.params, "ledger", tuple(params)),
+        Comparison("weights", fig.weights, led.weights, "ledger", tuple(weights)),
         Comparison(
-            "weights",
-            fig.weights,
-            led.weights,
-            "ledger",
-            tuple(Term(t.name, t.value * VALUE_BYTES) for t in params),
-        ),
-        Comparison(
-            "gradients",
-            fig.gradients,
-            led.gradients,
-            "ledger",
-            tuple(Term(t.name, t.value * VALUE_BYTES) for t in params),
+            "gradients", fig.gradients, led.gradients, "ledger", tuple(scaled(VALUE_BYTES, g_div))
         ),
     ]
-    share = dp if zero else 1
-    opt = [Term(t.name, t.value * ADAMW_BYTES / share) for t in params]
-    if zero:
+    opt = scaled(ADAMW_BYTES, o_div)
+    if zero == 1:
         opt.append(
             Term(
                 f"ZeRO-1 gives whole tensors: this rank owns {fig.optimizer_params:,} of its "
@@ -835,9 +990,10 @@ def _memory_comparisons(
                 (fig.optimizer_params - fig.params / dp) * ADAMW_BYTES,
             )
         )
+    per = "one per flat buffer's shard" if zero >= 2 else "one per tensor"
     opt.append(
         Term(
-            f"AdamW's step counters: {fig.optimizer_tensors} fp32 scalars (one per tensor)",
+            f"AdamW's step counters: {fig.optimizer_tensors} fp32 scalars ({per})",
             4 * fig.optimizer_tensors,
         )
     )
@@ -850,7 +1006,25 @@ def _memory_comparisons(
             tuple(opt),
         )
     )
-    out.append(_activation_comparison(fig, config, parallel, led.activations))
+    if zero >= 2:
+        out.append(_gathered_comparison(fig, parallel, led.weights, scaled(VALUE_BYTES, 1)))
+    if parallel.cp > 1:  # the activations are those of this rank's s/cp positions
+        local = dataclasses.replace(shape, seq_len=config.seq_len // parallel.cp)
+        led_act = ledger(
+            local,
+            parallel.tp,
+            parallel.pp,
+            dp,
+            parallel.sequence_parallel,
+            parallel.recompute,
+            weight_bytes=VALUE_BYTES,
+            grad_bytes=VALUE_BYTES,
+            optimizer_bytes=ADAMW_BYTES,
+            zero=zero,
+        ).activations
+    else:
+        led_act = led.activations
+    out.append(_activation_comparison(fig, config, parallel, led_act))
     return out
 
 
@@ -875,8 +1049,10 @@ def _traffic_comparisons(
     c, tp, pp, dp, v = config, parallel.tp, parallel.pp, parallel.dp, parallel.chunks
     sp, e, m = parallel.sequence_parallel, VALUE_BYTES, fig.micro_batches
     shape, why = _shape(config, fig.micro_batch)
-    tp_group = "world" if parallel.tp_only else "tp"
-    groups = [tp_group] + ([] if parallel.tp_only else ["pp", "dp", "emb", "world"])
+    cp = parallel.cp
+    tp_group = "world" if parallel.tp_only and cp == 1 else "tp"  # train's TP loop: the world
+    groups = [tp_group] + ([] if parallel.tp_only else ["pp", "dp", "emb"])
+    groups += (["cp"] if cp > 1 else []) + ([] if tp_group == "world" else ["world"])
     measured = {g: fig.sent(g) for g in groups}
     if shape is None or c.n_layers % (pp * v):
         note = why or f"the what-if needs L divisible by pp·chunks ({c.n_layers}, {pp}·{v})"
@@ -894,7 +1070,8 @@ def _traffic_comparisons(
         chunks=v,
         recompute=parallel.recompute == "full",
     )
-    vol = whatif.volumes(shape, par, e)
+    c = _local(config, parallel)  # with CP every message holds this rank's s/cp positions
+    vol = whatif.volumes(dataclasses.replace(shape, seq_len=c.seq_len), par, e)
     msg = vol.message_bytes  # one [b, s, h] message at 4 bytes per value
     out = []
 
@@ -965,13 +1142,19 @@ def _traffic_comparisons(
             )
         )
     terms.append(Term("gradient norm: 1 float64 all-reduce", 8))
-    if parallel.tp_only:  # the TP group is the world
+    if tp_group == "world":
         terms.append(STOP_CHECK)
     tp_traffic = Comparison(
         f"{tp_group} traffic", measured[tp_group], vol.tp_all_reduces * msg, "what-if", tuple(terms)
     )
     out.append(tp_traffic)
+    if cp > 1:
+        out.append(_cp_comparison(fig, config, parallel, measured["cp"]))
     if parallel.tp_only:
+        if tp_group != "world":
+            out.append(
+                Comparison("world traffic", measured["world"], 0.0, "what-if", (STOP_CHECK,))
+            )
         return out
 
     # PP: activations forward, their gradients back; the what-if prices 2 sends per
@@ -1009,24 +1192,29 @@ def _traffic_comparisons(
         Comparison("pp traffic", measured["pp"], vol.pp_sends * msg, "what-if", tuple(pp_terms))
     )
 
-    # DP: one all-reduce of this rank's gradients (buckets); ZeRO-1's broadcasts
+    # DP: one all-reduce of this rank's gradients (buckets); ZeRO-1's broadcasts; ZeRO-2/3's
+    # reduce-scatters and all-gathers (which run over a DP group of 1 too, as train runs them)
     dp_terms = []
     predicted = vol.dp_bytes if dp > 1 else 0.0
-    if dp > 1:
+    if dp > 1 or parallel.zero >= 2:
         dp_terms.append(
             Term(
-                f"this rank's {fig.params:,} parameters, not the what-if's N/(tp·pp) = "
-                f"{shape.matmul_params / (tp * pp):,.0f} (matmul weights, averaged over stages)",
-                fig.params * e - vol.dp_bytes,
+                f"this rank's {fig.params:,} parameters, not the what-if's "
+                + (
+                    f"N/(tp·pp) = {shape.matmul_params / (tp * pp):,.0f} (matmul weights, "
+                    "averaged over stages)"
+                    if dp > 1
+                    else "0 (no replicas)"
+                ),
+                fig.params * e - predicted,
             )
         )
-        if parallel.zero:
-            dp_terms.append(
-                Term(
-                    "ZeRO-1: every parameter broadcast from its owner after the step",
-                    fig.params * e,
-                )
-            )
+    if dp > 1 and parallel.zero == 1:
+        dp_terms.append(
+            Term("ZeRO-1: every parameter broadcast from its owner after the step", fig.params * e)
+        )
+    elif parallel.zero >= 2:
+        dp_terms += _sharded_traffic_terms(fig, parallel)
     out.append(Comparison("dp traffic", measured["dp"], predicted, "what-if", tuple(dp_terms)))
 
     emb_terms = []
@@ -1046,6 +1234,96 @@ def _traffic_comparisons(
         )
     )
     return out
+
+
+def _sharded_traffic_terms(fig: RankFigures, parallel: ParallelConfig) -> list[Term]:
+    """ZeRO-2/3's DP calls beyond one all-reduce of this rank's parameters (which the
+    reduce-scatter of the gradients replaces, the same bytes in): the padding, the parameters'
+    all-gathers, the gradient norm's share over DP."""
+    dp, m, e = parallel.dp, fig.micro_batches, VALUE_BYTES
+    terms = []
+    pad = _padding_term(fig, dp)
+    if pad:
+        terms.append(Term(pad.name + " (in the reduce-scatter)", pad.value * e))
+    padded = sum(dp * n for _, n, *_ in fig.flat_buffers)
+    if parallel.zero == 2:
+        terms.append(
+            Term("ZeRO-2: every buffer all-gathered from the new shards after the step", padded * e)
+        )
+    else:
+        blocks = sum(dp * n for _, n, _, block in fig.flat_buffers if block >= 0)
+        terms += [
+            Term(
+                f"ZeRO-3: every block's buffers all-gathered before its forward "
+                f"({m} per block: one per micro-batch)",
+                m * blocks * e,
+            ),
+            Term(
+                f"ZeRO-3: ... and again before each backward ({m} per block, what plain DP "
+                "does not send: (N-1)/N·Ψ_blocks per micro-batch on the wire)",
+                m * blocks * e,
+            ),
+            Term(
+                "ZeRO-3: the chunks' rest (embedding, final norm, head) all-gathered once, at "
+                "the first forward, and kept until the step",
+                (padded - blocks) * e,
+            ),
+        ]
+    terms.append(Term("gradient norm: 1 float64 all-reduce (each rank holds 1/N of it)", 8))
+    return terms
+
+
+def _cp_comparison(
+    fig: RankFigures, config: GPTConfig, parallel: ParallelConfig, measured: int
+) -> Comparison:
+    """CP traffic against tpedu.cp.traffic's formulas for every block forward and backward of
+    the step (ring: the K/V blocks' sends; Ulysses: its all-to-alls), plus what else the CP
+    group carries: the loss's mean over the whole sequence and the gradients' sum."""
+    c, t, cp, m, e = config, parallel.tp, parallel.cp, fig.micro_batches, VALUE_BYTES
+    d = c.hidden // c.n_heads
+    nkv = c.kv_heads // t if t <= c.kv_heads else 1
+    layers = m * fig.blocks  # block forwards (and backwards) in the step
+    full = parallel.recompute == "full"
+    terms = []
+    if parallel.cp_strategy == "ring":
+        msgs = ring_messages(fig.micro_batch, nkv, c.seq_len, cp, d, e, layers, full)
+        predicted = msgs["forward"][1] + msgs["backward"][1]
+        sends = msgs["forward"][0] + msgs["backward"][0]
+        terms.append(
+            Term(
+                f"the receives of the ring's {_n(sends, 'send')} of [b, kv_heads/tp, s/cp, d] "
+                f"({2 * (cp - 1)} per block forward, {4 * cp - 2} backward"
+                + (f", {2 * (cp - 1)} more recomputing" if full else "")
+                + "; tpedu.cp.traffic counts the sends)",
+                predicted,
+            )
+        )
+    else:
+        msgs = ulysses_messages(fig.micro_batch, c.n_heads // t, nkv, c.seq_len, cp, d, e, layers)
+        predicted = msgs["forward"][1] + msgs["backward"][1]
+        if full:
+            terms.append(
+                Term(
+                    "full recompute: the forward's all-to-alls run again in backward",
+                    msgs["forward"][1],
+                )
+            )
+    if fig.last:
+        terms.append(
+            Term(
+                "the loss's mean over the whole sequence: the token count (int64) and the loss "
+                "(fp32), 1 all-reduce each per micro-batch",
+                12 * m,
+            )
+        )
+    terms.append(
+        Term(
+            f"every gradient summed over CP: this rank's {fig.params:,} parameters "
+            f"(1 all-reduce per tensor)",
+            fig.params * e,
+        )
+    )
+    return Comparison("cp traffic", measured, predicted, "what-if", tuple(terms))
 
 
 def compare(
@@ -1086,8 +1364,9 @@ def format_table(run: DryRun) -> str:
     n = shape.n_params if shape else 0
     size = f", {n / 1e9:.2f}B parameters" if n >= 1e8 else f", {n:,} parameters" if n else ""
     lines = [
-        f"dry run: rank {f.rank} of {f.world} (tp {t}/{lay.tp}, pp {p}/{lay.pp}, dp {d}/{lay.dp}); "
-        f"holds {'; '.join(holds)}",
+        f"dry run: rank {f.rank} of {f.world} (tp {t}/{lay.tp}, pp {p}/{lay.pp}, dp {d}/{lay.dp}"
+        + (f", cp {lay.cp_rank(f.rank)}/{lay.cp}" if lay.cp > 1 else "")
+        + f"); holds {'; '.join(holds)}",
         f"model: {arch}, {c.n_layers} layers, hidden {c.hidden}, {c.n_heads} heads"
         + (f" ({c.kv_heads} KV)" if c.kv_heads != c.n_heads else "")
         + f", vocab {c.vocab_size:,}, seq {c.seq_len}{size}",
@@ -1099,8 +1378,14 @@ def format_table(run: DryRun) -> str:
             else ""
         )
         + (", sequence parallel" if par.sequence_parallel else "")
+        + (
+            f", context parallel ({par.cp_strategy}, {par.cp_layout}): s/cp = "
+            f"{c.seq_len // par.cp} positions per rank"
+            if par.cp > 1
+            else ""
+        )
         + (f", recompute {par.recompute}" if par.recompute != "none" else "")
-        + (", ZeRO-1" if par.zero else "")
+        + (f", ZeRO-{par.zero}" if par.zero else "")
         + "; fp32 weights, AdamW, dropout "
         + f"{c.dropout:g}",
         "",
@@ -1159,20 +1444,25 @@ def _differences(comps: Sequence[Comparison]) -> list[str]:
 
 def format_summary(runs: Sequence[DryRun]) -> str:
     """One line per rank (for --rank all): bytes held and sent, and the unexplained remainders."""
+    cp = any(run.parallel.cp > 1 for run in runs)  # a cp column only for CP layouts
     head = (
         f"{'rank':>5} {'tp':>3} {'pp':>3} {'dp':>3} {'params':>14} {'weights+grads+opt GB':>21} "
-        f"{'acts GB':>8} {'sent MB tp':>11} {'pp':>9} {'dp':>9} {'unexpl.':>8}"
+        f"{'acts GB':>8} {'sent MB tp':>11} {'pp':>9} {'dp':>9}"
+        + (f" {'cp':>9}" if cp else "")
+        + f" {'unexpl.':>8}"
     )
     lines = [head, "-" * len(head)]
     for run in runs:
         f = run.figures
         state = (f.weights + f.gradients + f.optimizer + f.optimizer_steps) / GB
-        tp_group = "world" if run.parallel.tp_only else "tp"
+        tp_group = "world" if run.parallel.tp_only and run.parallel.cp == 1 else "tp"
         rest = sum(abs(c.unexplained) for c in run.comparisons)
         lines.append(
             f"{f.rank:>5} {f.coords[0]:>3} {f.coords[1]:>3} {f.coords[2]:>3} {f.params:>14,} "
             f"{state:>21.3f} {f.activations / GB:>8.3f} {f.sent(tp_group) / 1e6:>11.1f} "
-            f"{f.sent('pp') / 1e6:>9.1f} {f.sent('dp') / 1e6:>9.1f} {rest:>8,.0f}"
+            f"{f.sent('pp') / 1e6:>9.1f} {f.sent('dp') / 1e6:>9.1f}"
+            + (f" {f.sent('cp') / 1e6:>9.1f}" if cp else "")
+            + f" {rest:>8,.0f}"
         )
     return "\n".join(lines)
 
