@@ -31,6 +31,12 @@ PARTS = ("weights", "gradients", "optimizer", "activations")
 COLORS = ("#4c72b0", "#55a868", "#c44e52", "#8172b2")
 SIZES = [1, 2, 4, 8, 16, 32, 64]
 MeasureHook = Callable[[ModelShape, dict], "str | tuple[str, float]"]
+# What the calculator shows first; `memory_calculator_static()` draws the same.
+DEFAULT_SHAPE = ModelShape(
+    n_layers=17, hidden=4096, n_heads=32, vocab_size=50_000, seq_len=2048, micro_batch=4
+)
+DEFAULT_SETTINGS = {"tp": 1, "pp": 1, "dp": 1, "sp": False, "recompute": "none", "zero1": False}
+DEFAULT_GPU_GB = 80.0
 
 
 def plot_ledgers(
@@ -63,39 +69,44 @@ class MemoryCalculator:
     def __init__(self, on_measure: MeasureHook | None = None) -> None:
         style = {"description_width": "110px"}
         w = widgets
+        shape, settings = DEFAULT_SHAPE, DEFAULT_SETTINGS
         self.params_b = w.BoundedFloatText(
             value=3.5, min=0.01, max=2000, step=0.5, description="params (B)", style=style
         )
-        self.layers = w.IntSlider(value=17, min=1, max=160, description="layers", style=style)
+        self.layers = w.IntSlider(
+            value=shape.n_layers, min=1, max=160, description="layers", style=style
+        )
         self.hidden = w.Dropdown(
             options=[512, 1024, 2048, 4096, 5120, 8192, 12288],
-            value=4096,
+            value=shape.hidden,
             description="hidden",
             style=style,
         )
         self.heads = w.Dropdown(
-            options=[8, 16, 32, 64, 96, 128], value=32, description="heads", style=style
+            options=[8, 16, 32, 64, 96, 128], value=shape.n_heads, description="heads", style=style
         )
         self.vocab = w.BoundedIntText(
-            value=50_000, min=1, max=10**6, description="vocab", style=style
+            value=shape.vocab_size, min=1, max=10**6, description="vocab", style=style
         )
         self.seq = w.Dropdown(
             options=[512, 1024, 2048, 4096, 8192, 32768],
-            value=2048,
+            value=shape.seq_len,
             description="seq len",
             style=style,
         )
-        self.batch = w.IntSlider(value=4, min=1, max=32, description="micro-batch", style=style)
-        self.tp = w.Dropdown(options=SIZES, value=1, description="tp", style=style)
-        self.pp = w.Dropdown(options=SIZES, value=1, description="pp", style=style)
-        self.dp = w.Dropdown(options=SIZES, value=1, description="dp", style=style)
-        self.sp = w.Checkbox(value=False, description="sequence parallel")
-        self.zero1 = w.Checkbox(value=False, description="ZeRO-1 (optimizer / dp)")
+        self.batch = w.IntSlider(
+            value=shape.micro_batch, min=1, max=32, description="micro-batch", style=style
+        )
+        self.tp = w.Dropdown(options=SIZES, value=settings["tp"], description="tp", style=style)
+        self.pp = w.Dropdown(options=SIZES, value=settings["pp"], description="pp", style=style)
+        self.dp = w.Dropdown(options=SIZES, value=settings["dp"], description="dp", style=style)
+        self.sp = w.Checkbox(value=settings["sp"], description="sequence parallel")
+        self.zero1 = w.Checkbox(value=settings["zero1"], description="ZeRO-1 (optimizer / dp)")
         self.recompute = w.Dropdown(
-            options=RECOMPUTE, value="none", description="recompute", style=style
+            options=RECOMPUTE, value=settings["recompute"], description="recompute", style=style
         )
         self.gpu_gb = w.BoundedFloatText(
-            value=80, min=1, max=1000, description="GPU GB", style=style
+            value=DEFAULT_GPU_GB, min=1, max=1000, description="GPU GB", style=style
         )
         self.info = w.HTML()
         self.out = w.Output()
@@ -156,20 +167,7 @@ class MemoryCalculator:
         self.info.value = f"<b>{config.n_params / 1e9:.3f}B</b> parameters"
         self.out.clear_output(wait=True)
         with self.out:
-            try:
-                current = self.ledger()
-            except ValueError as err:
-                print(f"✗ {err}")
-                return
-            fig, ax = plt.subplots(figsize=(6, 3.6))
-            single = ledger(config, recompute=self.recompute.value)
-            plot_ledgers([single, current], ["1 device", current.label], self.gpu_gb.value, ax)
-            plt.show()
-            plt.close(fig)  # the inline backend already showed it; elsewhere it would pile up
-            print(current.table())
-            gb = current.total / GB
-            verdict = "fits" if current.fits(self.gpu_gb.value) else "does NOT fit"
-            print(f"{gb:.1f} GB per device: {verdict} on a {self.gpu_gb.value:g} GB GPU")
+            show_ledger(config, self.settings(), self.gpu_gb.value)
 
     def _measure(self, on_measure: MeasureHook) -> None:
         self.measured.clear_output(wait=True)
@@ -201,9 +199,41 @@ class MemoryCalculator:
         plt.close(fig)
 
 
+def show_ledger(config: ModelShape, settings: dict, gpu_gb: float) -> None:
+    """What the calculator draws and prints for these controls: the bars (one device, and this
+    layout), the ledger table and the verdict; an invalid layout prints its error instead."""
+    try:
+        current = ledger(config, **settings)
+    except ValueError as err:
+        print(f"✗ {err}")
+        return
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    single = ledger(config, recompute=settings["recompute"])
+    plot_ledgers([single, current], ["1 device", current.label], gpu_gb, ax)
+    plt.show()
+    plt.close(fig)  # the inline backend already showed it; elsewhere it would pile up
+    print(current.table())
+    gb = current.total / GB
+    verdict = "fits" if current.fits(gpu_gb) else "does NOT fit"
+    print(f"{gb:.1f} GB per device: {verdict} on a {gpu_gb:g} GB GPU")
+
+
+def memory_calculator_static() -> None:
+    """The calculator's first picture without widgets (it stays in a saved notebook): its
+    parameter count, bars, table and verdict at the default controls."""
+    print(f"{DEFAULT_SHAPE.n_params / 1e9:.3f}B parameters")
+    show_ledger(DEFAULT_SHAPE, DEFAULT_SETTINGS, DEFAULT_GPU_GB)
+
+
 def memory_calculator(on_measure: MeasureHook | None = None) -> widgets.VBox:
     """The calculator widget; display it (last line of a cell) to use it. See the module doc."""
     return MemoryCalculator(on_measure).widget
 
 
-__all__ = ["MemoryCalculator", "memory_calculator", "plot_ledgers"]
+__all__ = [
+    "MemoryCalculator",
+    "memory_calculator",
+    "memory_calculator_static",
+    "plot_ledgers",
+    "show_ledger",
+]

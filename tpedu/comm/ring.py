@@ -15,14 +15,22 @@ many ranks there are. That is why a ring all-reduce's time barely grows with t (
 while its 2(t-1) steps make the latency term grow linearly (the α-β model in tpedu.comm.cost_model).
 
 Every message goes through `tpedu.comm.collectives.isend/irecv`, so a `CommTracer` counts the bytes.
+`on_step` (optional, off by default) is called after every step with what moved and the chunks
+as they now stand; lesson 02 draws the ring from it (tpedu.course.figures_basics).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
 from tpedu.comm import collectives as C
+
+# on_step(phase, step, sent chunk index, received chunk index, chunks): phase is
+# "reduce_scatter" or "all_gather"; chunks are this rank's live views (copy them to keep them).
+StepHook = Callable[[str, int, int, int, list[torch.Tensor]], None]
 
 
 def _ring_position(group: dist.ProcessGroup | None) -> tuple[int, int, int, int]:
@@ -77,7 +85,11 @@ def _step(
         w.wait()
 
 
-def ring_reduce_scatter(chunks: list[torch.Tensor], group: dist.ProcessGroup | None = None) -> None:
+def ring_reduce_scatter(
+    chunks: list[torch.Tensor],
+    group: dist.ProcessGroup | None = None,
+    on_step: StepHook | None = None,
+) -> None:
     """Ring reduce-scatter, in place: afterwards chunks[r] on rank r is the sum over all ranks.
 
     chunks: t contiguous tensors (this rank's data, cut into one piece per rank; sizes may differ
@@ -93,9 +105,15 @@ def ring_reduce_scatter(chunks: list[torch.Tensor], group: dist.ProcessGroup | N
         buf = torch.empty_like(chunks[inc])
         _step(chunks[out], buf, rank, left, right, group)
         chunks[inc].add_(buf)
+        if on_step is not None:
+            on_step("reduce_scatter", s, out, inc, chunks)
 
 
-def ring_all_gather(chunks: list[torch.Tensor], group: dist.ProcessGroup | None = None) -> None:
+def ring_all_gather(
+    chunks: list[torch.Tensor],
+    group: dist.ProcessGroup | None = None,
+    on_step: StepHook | None = None,
+) -> None:
     """Ring all-gather, in place: chunks[r] of rank r is copied into chunks[r] on every rank.
 
     chunks: t contiguous tensors; on entry only chunks[rank] matters (others are overwritten).
@@ -106,10 +124,15 @@ def ring_all_gather(chunks: list[torch.Tensor], group: dist.ProcessGroup | None 
     for s in range(t - 1):
         # Step s: pass on chunk r-s (ours at s=0, then the one just received), receive chunk r-1-s
         # straight into place: nothing is added, so no buffer is needed.
-        _step(chunks[(rank - s) % t], chunks[(rank - 1 - s) % t], rank, left, right, group)
+        out, inc = (rank - s) % t, (rank - 1 - s) % t
+        _step(chunks[out], chunks[inc], rank, left, right, group)
+        if on_step is not None:
+            on_step("all_gather", s, out, inc, chunks)
 
 
-def ring_all_reduce(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+def ring_all_reduce(
+    x: torch.Tensor, group: dist.ProcessGroup | None = None, on_step: StepHook | None = None
+) -> torch.Tensor:
     """Sum `x` (any shape) over the ranks of `group`, in place, with send/recv only; returns `x`.
 
     Collective call: every rank of the group calls it with a tensor of the same shape and dtype.
@@ -123,8 +146,8 @@ def ring_all_reduce(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> 
         return x
     buf = x if x.is_contiguous() else x.contiguous()
     chunks = list(buf.view(-1).tensor_split(t))  # views: the ring works on x's own memory
-    ring_reduce_scatter(chunks, group)
-    ring_all_gather(chunks, group)
+    ring_reduce_scatter(chunks, group, on_step)
+    ring_all_gather(chunks, group, on_step)
     if buf is not x:
         x.copy_(buf)
     return x

@@ -250,29 +250,45 @@ def draw_layout(layout: Layout, gpus_per_node: int = 8, highlight: int = 0, ax=N
     return ax
 
 
+def _default_size(world: int) -> int:
+    return 4 if world % 4 == 0 else 1  # the widget's first tp and pp
+
+
+def show_layout(world: int, gpus_per_node: int, tp: int, pp: int, rank: int) -> None:
+    """What `layout_widget` shows for these choices: the grid (`draw_layout`) and the groups of
+    `rank`; tp·pp that does not divide world prints that instead."""
+    import matplotlib.pyplot as plt
+
+    if world % (tp * pp):
+        print(f"tp·pp = {tp * pp} does not divide {world}")
+        return
+    lay = Layout(tp, pp, world // (tp * pp))
+    draw_layout(lay, gpus_per_node, rank)
+    plt.show()
+    for kind, groups in lay.groups().items():
+        mine = next((g for g in groups if rank in g), None)
+        print(f"{kind:>3} group of rank {rank}: {mine}")
+
+
+def layout_static(world: int = 128, gpus_per_node: int = 8) -> None:
+    """`layout_widget`'s first picture without widgets (it stays in a saved notebook)."""
+    show_layout(world, gpus_per_node, _default_size(world), _default_size(world), 0)
+
+
 def layout_widget(world: int = 128, gpus_per_node: int = 8):  # noqa: ANN201
     """Pick tp, pp (dp = world / (tp·pp)) and a rank; redraw the grid and print its groups."""
     import ipywidgets as widgets
-    import matplotlib.pyplot as plt
 
     divs = divisors(world)
-    tp = widgets.Dropdown(options=divs, value=4 if 4 in divs else 1, description="tp")
-    pp = widgets.Dropdown(options=divs, value=4 if 4 in divs else 1, description="pp")
+    tp = widgets.Dropdown(options=divs, value=_default_size(world), description="tp")
+    pp = widgets.Dropdown(options=divs, value=_default_size(world), description="pp")
     rank = widgets.BoundedIntText(value=0, min=0, max=world - 1, description="rank")
     out = widgets.Output()
 
     def redraw(_: object = None) -> None:
         with out:
             out.clear_output(wait=True)
-            if world % (tp.value * pp.value):
-                print(f"tp·pp = {tp.value * pp.value} does not divide {world}")
-                return
-            lay = Layout(tp.value, pp.value, world // (tp.value * pp.value))
-            draw_layout(lay, gpus_per_node, rank.value)
-            plt.show()
-            for kind, groups in lay.groups().items():
-                mine = next((g for g in groups if rank.value in g), None)
-                print(f"{kind:>3} group of rank {rank.value}: {mine}")
+            show_layout(world, gpus_per_node, tp.value, pp.value, rank.value)
 
     for w in (tp, pp, rank):
         w.observe(redraw, names="value")
