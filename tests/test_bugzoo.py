@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tpedu import launch
+from tpedu.course import hunt
 from tpedu.course.bugzoo import BUGS, broken, catalogue, run_check
 from tpedu.cp import ring
 from tpedu.model import gpt
@@ -123,3 +124,37 @@ def test_the_zero_bugs_show_their_documented_symptoms():
         ), detail
         assert detail["zero_shard_updated_twice"].startswith("step 1: "), detail
         assert "storage of size 0" in detail["zero3_no_backward_gather"], detail
+
+
+# ---- the mystery cases of the hunt (tpedu/course/hunt.py)
+
+
+def _hunt_worker(cases):
+    from tpedu.course.grading import implementation
+
+    fix = implementation("l15_bug_hunt", "solutions")
+    return {k: (hunt.run_case(k), hunt.run_case(k, fix)) for k in cases}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_each_mystery_fails_with_its_bug_and_passes_with_the_fix(world):
+    cases = [k for k in range(1, len(hunt.CASES) + 1) if hunt.world(k) == world]
+    assert cases
+    results = launch(_hunt_worker, world, cases, timeout=120)
+    for k in cases:
+        case = hunt.CASES[k - 1]
+        broken_run = hunt.report(k, [r[k][0] for r in results], fixed=False)
+        fixed_run = hunt.report(k, [r[k][1] for r in results], fixed=True)
+        assert not broken_run.ok and fixed_run.ok, (k, str(broken_run), str(fixed_run))
+        assert "FAILS" in str(broken_run) and "Case closed" in str(fixed_run)
+        for text in (str(broken_run), str(fixed_run)):
+            # the case names neither its bug nor the function to fix, nor the broken twin
+            secrets = [case.bug, case.function, "BUG"]
+            assert not [s for s in secrets if s in text], (k, text)
+    assert {c.bug for c in hunt.CASES} <= set(BUGS) and len({c.bug for c in hunt.CASES}) == 6
+
+
+def test_mystery_numbers_are_checked():
+    for bad in (0, 7, "1", True):
+        with pytest.raises(ValueError, match="mystery cases 1 to 6"):
+            hunt.world(bad)

@@ -1,10 +1,13 @@
-"""Grades exercises/l15_bug_hunt.py: the fixed twins of the bug zoo's broken functions.
+"""Grades exercises/l15_bug_hunt.py: the fixed versions of the bug zoo's broken functions, each
+checked directly and through its mystery case of notebook 15 (the case's check, run with the
+learner's function in place of the broken one).
 
 Each test would fail on the broken twin in tpedu/course/bugzoo.py (the bug zoo's own tests prove the
 zoo's checks catch them; these check the learner's fixes directly). float64 throughout: a
 correct f gives dense's dL/dx up to reordered sums (~1e-16 relative), so 1e-12 absolute.
 """
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -12,6 +15,7 @@ import torch.nn.functional as F
 import tpedu
 from tests.exercises import parity_group
 from tpedu.comm.tracer import CommTracer
+from tpedu.course import hunt
 from tpedu.course.grading import implementation
 from tpedu.parallel.pipeline.schedules import peak_in_flight, simulate
 
@@ -155,3 +159,16 @@ def test_group_argument():
         assert wrong == 0, (
             f"rank {rank}: {wrong} of {ids.numel()} ids differ from the group's dense argmax"
         )
+
+
+def _case_worker(k):
+    return hunt.run_case(k, implementation(NAME), show=False)[1:]
+
+
+@pytest.mark.parametrize("case", range(1, len(hunt.CASES) + 1))
+def test_mystery_case_passes_with_your_fix(case):
+    """The notebook's case, its check run with your function in place of the broken one (the
+    zoo's tests prove the broken one fails this check)."""
+    results = tpedu.launch(_case_worker, hunt.world(case), case, timeout=120)
+    bad = [f"rank {r}: {detail}" for r, (ok, detail) in enumerate(results) if not ok]
+    assert not bad, f"case {case} still fails: " + "; ".join(bad)

@@ -73,13 +73,18 @@ class Bug:
 
 @contextlib.contextmanager
 def _patched(owner: object, attr: str, value: object) -> Iterator[None]:
-    """Set owner.attr = value for the block (class attributes keep their staticmethod wrapper)."""
-    old = owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr)
+    """Set owner.attr = value for the block (class attributes keep their staticmethod wrapper;
+    one the class only inherits is deleted again afterwards)."""
+    inherited = isinstance(owner, type) and attr not in owner.__dict__
+    old = owner.__dict__.get(attr) if isinstance(owner, type) else getattr(owner, attr)
     setattr(owner, attr, value)
     try:
         yield
     finally:
-        setattr(owner, attr, old)
+        if inherited:
+            delattr(owner, attr)
+        else:
+            setattr(owner, attr, old)
 
 
 # ---------------------------------------------------------------------------- broken variants
