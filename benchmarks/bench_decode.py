@@ -13,7 +13,7 @@ slowest rank. Both give the same tokens (checked). Then the latency of a prefill
 Part 2, predicted: one decode step of a batch of b sequences on a GPU, per TP rank, reads its
 share of the weights (bf16: 2·N/tp bytes) and of the KV cache, and runs 2·layers + 1
 all-reduces of b·h values (tpedu.analysis.whatif.decode_prediction, with the α-β ring model
-of lesson 14); the matmuls are b·2N/tp FLOPs, far below what the reads take at small b:
+of lesson 15); the matmuls are b·2N/tp FLOPs, far below what the reads take at small b:
 
     step = 2·N/tp / (HBM · efficiency) + KV bytes / tp / (HBM · efficiency) + (2L+1)·AR(b·h·2)
 

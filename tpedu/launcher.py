@@ -20,7 +20,7 @@ starting ranks misbehave in a Jupyter kernel; each rule below answers one measur
   is killed and joined (no zombies, no orphans), and the *original* failure is raised with its
   rank and traceback (the first error to arrive is often another rank's "connection closed").
 - SIGTERM to the launching process (a cluster taking the node back) is passed on to every rank,
-  not turned into a kill: training saves and stops (lesson 13, tpedu.train.preempt). The wait
+  not turned into a kill: training saves and stops (lesson 14, tpedu.train.preempt). The wait
   for the ranks is then bounded by the collective timeout. When every rank raises a `Stopped`
   exception (every rank chose to stop together), rank 0's is raised as itself, not a RankError.
 

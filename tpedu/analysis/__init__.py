@@ -1,4 +1,4 @@
-"""Lesson 00: arithmetic about a GPT's training from its shape (used again in lessons 06–14),
+"""Lesson 00: arithmetic about a GPT's training from its shape (used again in lessons 06–15),
 each formula checked against small real tensors.
 
     shape              ModelShape, the one shape every analysis takes; parameter and FLOP counts

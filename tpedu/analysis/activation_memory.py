@@ -1,4 +1,4 @@
-"""Lesson 09: the measured activation ledger (激活显存账本), what one transformer layer saves for
+"""Lesson 10: the measured activation ledger (激活显存账本), what one transformer layer saves for
 backward.
 
 `SavedTensorCounter` hooks autograd (torch.autograd.graph.saved_tensors_hooks): every tensor an
@@ -97,7 +97,7 @@ def storage_key(t: torch.Tensor) -> tuple[str, int]:
 
     The identity is the address of the storage object itself (`_cdata`), not of its data:
     tensors on the meta device have no data, every one of their `data_ptr()`s is 0, and keying
-    by it would count a whole meta model's saved tensors as one (lesson 12's dry run counts
+    by it would count a whole meta model's saved tensors as one (lesson 13's dry run counts
     them). For real tensors the two keys pick out the same storages.
     """
     return str(t.device), t.untyped_storage()._cdata
@@ -112,7 +112,7 @@ class SavedTensorCounter:
 
     Each storage counts once (keyed by `storage_key`; saved storages stay pinned while the
     context is active, so a key is never reused meanwhile). Works on the meta device too: the
-    bytes are the shapes' (lesson 12's dry run). `root`'s parameters are skipped, and
+    bytes are the shapes' (lesson 13's dry run). `root`'s parameters are skipped, and
     each record names the innermost sub-module of `root` that was running when it was saved.
     """
 

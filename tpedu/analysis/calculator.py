@@ -1,4 +1,4 @@
-"""Lesson 00: an interactive memory calculator (used again in lessons 09, 12), widgets wired to
+"""Lesson 00: an interactive memory calculator (used again in lessons 10, 13), widgets wired to
 tpedu.analysis.memory.ledger and nothing more.
 
     from tpedu.analysis.calculator import memory_calculator
@@ -14,7 +14,7 @@ Hook for later lessons: `memory_calculator(on_measure=f)` adds a "measure" butto
 tp, pp, dp, sp, recompute, zero1) and prints the string
 it returns under the prediction, e.g. bytes measured on real ranks. If `f` returns
 `(text, activation_bytes)`, the measured activations per device are also drawn over the
-predicted bar (lesson 09: `tpedu.analysis.activation_memory.calculator_overlay`).
+predicted bar (lesson 10: `tpedu.analysis.activation_memory.calculator_overlay`).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Lesson 12: a full-scale dry run on a laptop: one rank of a 128-GPU job, built and stepped
+"""Lesson 13: a full-scale dry run on a laptop: one rank of a 128-GPU job, built and stepped
 on the meta device, with every byte it holds and sends counted and set beside the ledger.
 
     runs = dry_run(GPTConfig.gpt2_like(50257, seq_len=2048, n_layers=32, hidden=4096,

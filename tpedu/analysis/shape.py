@@ -1,4 +1,4 @@
-"""Lesson 00: `ModelShape` (used again in lessons 09, 12 and 14), the one description of a GPT's
+"""Lesson 00: `ModelShape` (used again in lessons 10, 13 and 15), the one description of a GPT's
 shape that every analysis in tpedu.analysis takes, with its parameter counts and FLOPs per token.
 
 Its field names are tpedu.model.config.GPTConfig's wherever they mean the same thing:
@@ -10,9 +10,9 @@ Its field names are tpedu.model.config.GPTConfig's wherever they mean the same t
 and `ModelShape.from_config(config)` reads a GPTConfig. Resolved values, as GPTConfig names them:
 `kv_heads`, `ffn`, plus `head_dim` (hidden / n_heads) and `kv_dim` (kv_heads · head_dim).
 
-    memory.ledger(shape, tp=.., pp=.., dp=..)     bytes per device (lessons 00, 12)
-    activation_memory.LayerCase(shape, tp, ..)    what one layer saves for backward (lesson 09)
-    whatif.predict(shape, whatif.Parallel(..))    step time and MFU on a cluster (lesson 14)
+    memory.ledger(shape, tp=.., pp=.., dp=..)     bytes per device (lessons 00, 13)
+    activation_memory.LayerCase(shape, tp, ..)    what one layer saves for backward (lesson 10)
+    whatif.predict(shape, whatif.Parallel(..))    step time and MFU on a cluster (lesson 15)
 
 (whatif's layouts carry their own micro-batch, `Parallel.micro`; it ignores `micro_batch`.)
 

@@ -1,4 +1,4 @@
-"""Lesson 14: cluster what-if, the step time and MFU of a GPT on real hardware, from FLOPs and
+"""Lesson 15: cluster what-if, the step time and MFU of a GPT on real hardware, from FLOPs and
 the α-β model.
 
     step = compute + TP communication + PP bubble + PP send/recv + (1 - overlap)·DP all-reduce
@@ -178,7 +178,7 @@ HEADER = (
 
 @dataclass(frozen=True)
 class Volumes:
-    """What the what-if prices, per GPU and step (lesson 12's dry run sets it beside a trace).
+    """What the what-if prices, per GPU and step (lesson 13's dry run sets it beside a trace).
 
     tp_all_reduces    all-reduces of one [b, s, h] message over the TP group: 4 per layer and
                       micro-batch (6 with full recomputation), for the GPU's L/pp layers
@@ -381,7 +381,7 @@ def decode_prediction(
     return out
 
 
-# Long context (lesson 16): context parallelism splits the sequence, so activations and TP
+# Long context (lesson 09): context parallelism splits the sequence, so activations and TP
 # messages shrink by cp, while the ring's K/V blocks are what CP sends instead.
 
 

@@ -1,4 +1,4 @@
-"""Lesson 13: sharded, reshardable checkpoints and model directories.
+"""Lesson 14: sharded, reshardable checkpoints and model directories.
 
     files    atomic, fsynced writes and whole-directory replacement; CheckpointError
     sharded  sharded checkpoints: every rank saves what it owns; index, validation, resume

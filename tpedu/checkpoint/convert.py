@@ -1,4 +1,4 @@
-"""Lesson 13: between formats: model directories, sharded checkpoints, layouts, Hugging Face.
+"""Lesson 14: between formats: model directories, sharded checkpoints, layouts, Hugging Face.
 
     write_model_dir / load_model_files   the dense model directory of `train --out` (lesson 07)
     reshard                              a checkpoint rewritten for another (tp, pp, dp) layout

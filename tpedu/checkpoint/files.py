@@ -1,4 +1,4 @@
-"""Lesson 13: the file layer under checkpoints and model directories: writes that survive a crash.
+"""Lesson 14: the file layer under checkpoints and model directories: writes that survive a crash.
 
 Every file is written and fsynced before it counts; a directory is written complete under a
 temporary name and then renamed into place (`replace_dir`), the old one kept complete until the

@@ -1,4 +1,4 @@
-"""Lesson 13: Hugging Face <-> tpedu, for GPT-2 (`hf_gpt2`) and Llama (`hf_llama`).
+"""Lesson 14: Hugging Face <-> tpedu, for GPT-2 (`hf_gpt2`) and Llama (`hf_llama`).
 
     config_from_hf   a transformers GPT2Config / LlamaConfig -> GPTConfig
     state_from_hf    a GPT2LMHeadModel / LlamaForCausalLM state dict -> a DenseGPT state dict

@@ -1,4 +1,4 @@
-"""Lesson 13: Hugging Face GPT-2 <-> tpedu: load GPT2LMHeadModel weights into the tensor-parallel
+"""Lesson 14: Hugging Face GPT-2 <-> tpedu: load GPT2LMHeadModel weights into the tensor-parallel
 GPT, and export a trained GPT-2-shaped tpedu model so `transformers` can use it.
 
 GPT-2 stores its linear layers as `Conv1D` (y = x·W + b with W [in, out]); tpedu uses nn.Linear

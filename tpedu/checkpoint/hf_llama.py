@@ -1,4 +1,4 @@
-"""Lesson 13: Hugging Face Llama <-> tpedu: LlamaForCausalLM weights in the tensor-parallel GPT,
+"""Lesson 14: Hugging Face Llama <-> tpedu: LlamaForCausalLM weights in the tensor-parallel GPT,
 and a Llama-style tpedu model exported so `transformers` can use it.
 
 Llama is tpedu's Llama-style config: RMSNorm, RoPE, SwiGLU, grouped-query attention, no biases.

@@ -1,4 +1,4 @@
-"""Lesson 13: how Hugging Face tensors become tpedu's dense tensors, once, for every use.
+"""Lesson 14: how Hugging Face tensors become tpedu's dense tensors, once, for every use.
 
 Each DenseGPT tensor is a stack of Hugging Face tensors along its rows (dim 0), each stored
 as is or transposed: Llama's fused QKV is q_proj, k_proj, v_proj one under the other; every

@@ -1,4 +1,4 @@
-"""Lesson 13: sharded, reshardable checkpoints: every rank saves only what it owns.
+"""Lesson 14: sharded, reshardable checkpoints: every rank saves only what it owns.
 
 A checkpoint is a directory per step, next to a `latest` pointer:
 

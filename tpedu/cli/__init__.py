@@ -1,4 +1,4 @@
-"""Lessons 02–13: the command line (`python -m tpedu`): parser, checks before launch, commands.
+"""Lessons 02–14: the command line (`python -m tpedu`): parser, checks before launch, commands.
 
 - tpedu.cli.parser: `build_parser()`, every subcommand and flag
 - tpedu.cli.checks: the one-line errors (exit code 2) raised before any rank starts

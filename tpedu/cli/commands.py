@@ -1,7 +1,7 @@
-"""Lessons 02–13: the subcommands of `python -m tpedu` (the overview: tpedu.cli.parser.DESCRIPTION):
+"""Lessons 02–14: the subcommands of `python -m tpedu` (the overview: tpedu.cli.parser.DESCRIPTION):
 `hello` (lesson 02: ranks start and talk), `commbench` (lesson 02: the α-β cost model), `train`
-(lesson 07, and lessons 10-13 with --pp, --dp and checkpoints), `generate` (lesson 07), `reshard`
-(lesson 13), `dryrun` (lesson 12: one rank of a big layout on the meta device), and `main`,
+(lesson 07, and lessons 11-14 with --pp, --dp and checkpoints), `generate` (lesson 07), `reshard`
+(lesson 14), `dryrun` (lesson 13: one rank of a big layout on the meta device), and `main`,
 which parses, checks (tpedu.cli.checks) and then launches.
 
 Every subcommand but reshard and dryrun (one process each) works two ways:
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
             return _train(args)
         else:
             return _generate(args)
-    except Preempted as e:  # lesson 13: every rank stopped after the same step
+    except Preempted as e:  # lesson 14: every rank stopped after the same step
         return _preempted(e, args, sys.argv[1:] if argv is None else argv)
     except (RankError, LaunchTimeout) as e:
         print(f"tpedu {args.command}: {e}", file=sys.stderr)
@@ -209,7 +209,7 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _dryrun(args: argparse.Namespace) -> int:
-    """Lesson 12: one training step of the chosen rank(s) of a tp·pp·dp job, on the meta
+    """Lesson 13: one training step of the chosen rank(s) of a tp·pp·dp job, on the meta
     device in this process (tpedu.analysis.dryrun); prints the table(s)."""
     for name in ("layers", "hidden", "heads", "seq", "batch", "vocab", "chunks"):
         if getattr(args, name) < 1:

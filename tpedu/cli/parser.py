@@ -1,4 +1,4 @@
-"""Lessons 02–13: the argument parser of `python -m tpedu` (`build_parser`): every subcommand
+"""Lessons 02–14: the argument parser of `python -m tpedu` (`build_parser`): every subcommand
 and flag.
 
 Defaults and ranges are checked by tpedu.cli.checks before any rank starts; the subcommands
@@ -131,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--out", default=None, help="directory to save the trained model in")
     tr.add_argument("--json", default=None, help="also write the full summary (all losses) here")
     _layout_flags(tr)
-    tr.add_argument("--ckpt-dir", default=None, help="write sharded checkpoints here (lesson 13)")
+    tr.add_argument("--ckpt-dir", default=None, help="write sharded checkpoints here (lesson 14)")
     tr.add_argument(
         "--save-every",
         type=int,
@@ -209,12 +209,12 @@ def _layout_flags(p: argparse.ArgumentParser) -> None:
         "--cp",
         type=int,
         default=1,
-        help="context-parallel ranks: each sequence split over them (lesson 16)",
+        help="context-parallel ranks: each sequence split over them (lesson 09)",
     )
     p.add_argument("--cp-strategy", choices=["ring", "ulysses"], default="ring")
     p.add_argument("--cp-layout", choices=["zigzag", "contiguous"], default="zigzag")
-    p.add_argument("--pp", type=int, default=1, help="pipeline stages (lesson 10)")
-    p.add_argument("--dp", type=int, default=1, help="data-parallel replicas (lesson 11)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages (lesson 11)")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel replicas (lesson 12)")
     p.add_argument(
         "--micro-batches",
         type=int,
@@ -226,7 +226,7 @@ def _layout_flags(p: argparse.ArgumentParser) -> None:
         type=int,
         choices=(0, 1, 2, 3),
         default=0,
-        help="ZeRO stage over the --dp ranks (lesson 11): 1 shards AdamW's states, 2 also the "
+        help="ZeRO stage over the --dp ranks (lesson 12): 1 shards AdamW's states, 2 also the "
         "gradients, 3 also the parameters (FSDP)",
     )
     p.add_argument("--zero1", dest="zero", action="store_const", const=1, help="= --zero 1")
@@ -234,7 +234,7 @@ def _layout_flags(p: argparse.ArgumentParser) -> None:
         "--schedule",
         choices=["1f1b", "gpipe", "interleaved"],
         default="1f1b",
-        help="pipeline schedule with --pp (lesson 10)",
+        help="pipeline schedule with --pp (lesson 11)",
     )
     p.add_argument(
         "--chunks",
@@ -246,7 +246,7 @@ def _layout_flags(p: argparse.ArgumentParser) -> None:
         "--stage-split",
         choices=["even", "flops"],
         default="even",
-        help="blocks per pipeline stage: even, or by FLOPs counting the head (lesson 10)",
+        help="blocks per pipeline stage: even, or by FLOPs counting the head (lesson 11)",
     )
     p.add_argument(
         "--sequence-parallel",
@@ -257,17 +257,17 @@ def _layout_flags(p: argparse.ArgumentParser) -> None:
         "--recompute",
         choices=["none", "selective", "full"],
         default="none",
-        help="recompute in backward: the attention core, or whole blocks (lesson 09)",
+        help="recompute in backward: the attention core, or whole blocks (lesson 10)",
     )
     p.add_argument(
         "--overlap-comm",
         action="store_true",
-        help="overlap each f's backward all-reduce with dL/dW (lesson 14; same result)",
+        help="overlap each f's backward all-reduce with dL/dW (lesson 15; same result)",
     )
 
 
 def _dryrun_parser(sub: argparse._SubParsersAction) -> None:
-    """`dryrun` (lesson 12): train's model and layout flags, plus --vocab and --rank."""
+    """`dryrun` (lesson 13): train's model and layout flags, plus --vocab and --rank."""
     dr = sub.add_parser(
         "dryrun",
         help="one rank of a large layout on the meta device: memory and traffic of one step",

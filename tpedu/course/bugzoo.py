@@ -1,4 +1,4 @@
-"""Lesson 15: the bug zoo: deliberately broken variants of tpedu, one real, reported failure each.
+"""Lesson 16: the bug zoo: deliberately broken variants of tpedu, one real, reported failure each.
 
 Each bug is a context manager that monkeypatches ONE thing in tpedu, and comes with the check
 that catches it (a mutation test: the check passes on tpedu and fails under the bug) and the

@@ -1,11 +1,11 @@
-"""Lessons 07–10: figures drawn from what the code records (lessons 07 and 10), not by hand.
+"""Lessons 07–11: figures drawn from what the code records (lessons 07 and 11), not by hand.
 
     with labelled_collectives(model) as calls:      # lesson 07: one training step at tp=2
         model(ids, targets).backward()
     plot_collectives(calls)                         # forward row, backward row, bytes per call
 
     events = simulate([schedule("1f1b", 8, 4, s) for s in range(4)])
-    plot_held_activations(events, "1F1B")           # lesson 10: micro-batches held per stage
+    plot_held_activations(events, "1F1B")           # lesson 11: micro-batches held per stage
 
 `labelled_collectives` wraps a tpedu.comm.tracer.CommTracer and names each record after the part
 of the TPGPT that ran it. Forward: a pre-hook on the embedding, on each block's attention and

@@ -1,13 +1,13 @@
-"""Lesson 15: the blind bug hunt: mystery cases, each one bug of the zoo applied without its name.
+"""Lesson 16: the blind bug hunt: mystery cases, each one bug of the zoo applied without its name.
 
 A case shows what a practitioner would see (a loss curve next to tp=1's, the bad rows of the
 gradient table, tokens per rank, a hang turned into a timeout) and the zoo check that fails.
 The learner reads tpedu's code, finds which function must be wrong, and writes it fixed in
-exercises/l15_bug_hunt.py; `mystery(k, fix=module)` then runs the same check with the learner's
+exercises/l16_bug_hunt.py; `mystery(k, fix=module)` then runs the same check with the learner's
 function in place of the broken one:
 
     print(mystery(1))              # the symptom and the failing check (launches the ranks)
-    print(mystery(1, fix=m))       # m = pick("l15_bug_hunt"): the check again, with the fix
+    print(mystery(1, fix=m))       # m = pick("l16_bug_hunt"): the check again, with the fix
 
 `mystery` launches its ranks itself; `run_case` is the worker body (for tests that launch).
 """
@@ -297,7 +297,7 @@ def report(k: int, per_rank: list[tuple[str, bool, str]], fixed: bool) -> Report
 
 def mystery(k: int, fix: ModuleType | None = None, timeout: float = 120) -> Report:
     """Launch case k on its ranks: the symptom and the failing check; with `fix` (a module,
-    e.g. pick("l15_bug_hunt")) whether the check passes with that module's function."""
+    e.g. pick("l16_bug_hunt")) whether the check passes with that module's function."""
     name = fix.__name__ if fix is not None else None
     per_rank = launch(run_case, world(k), k, name, timeout=timeout)
     return report(k, per_rank, fix is not None)

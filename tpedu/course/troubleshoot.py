@@ -1,4 +1,4 @@
-"""Lesson 15: tools for "my tensor-parallel run is wrong (or stuck): where?".
+"""Lesson 16: tools for "my tensor-parallel run is wrong (or stuck): where?".
 
 The strongest check there is: the same model, the same batch, once dense and once tensor
 parallel, compared gradient by gradient. A bug in a TP region shows up in exactly the

@@ -1,4 +1,4 @@
-"""Lesson 16: how much causal attention each CP rank does, contiguous vs zig-zag.
+"""Lesson 09: how much causal attention each CP rank does, contiguous vs zig-zag.
 
 Counted from the assignment the code uses (`chunk_positions`) and the rule RingAttention masks
 with (query position ≥ key position, global positions). Two measures of the work:

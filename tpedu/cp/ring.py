@@ -1,4 +1,4 @@
-"""Lessons 08–09: ring attention: causal attention over a sequence split across the CP ranks.
+"""Lesson 09: ring attention: causal attention over a sequence split across the CP ranks.
 
 Each of the cp ranks of a context-parallel group holds s/cp positions of q, k and v for the
 whole layer. Attention needs every earlier key, so the K/V blocks travel around the ring:

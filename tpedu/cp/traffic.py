@@ -1,4 +1,4 @@
-"""Lesson 16: what context parallelism sends, as formulas the tracer checks, and their α-β time.
+"""Lesson 09: what context parallelism sends, as formulas the tracer checks, and their α-β time.
 
 Ring attention, per layer, on every rank (read off RingAttention: each K/V message is one
 [b, n_kv, s/cp, d] tensor, KV heads, not the query heads GQA expands them to):

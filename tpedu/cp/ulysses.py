@@ -1,4 +1,4 @@
-"""Lessons 08–09: Ulysses attention: all-to-all from sequence shards to head shards and back.
+"""Lesson 09: Ulysses attention: all-to-all from sequence shards to head shards and back.
 
 DeepSpeed-Ulysses' answer to the same problem as the ring. Each CP rank holds all heads of its
 s/cp positions; one all-to-all each for q, k and v gives it all s positions of h/cp heads.

@@ -28,7 +28,7 @@ def make_norm(config: GPTConfig) -> nn.Module:
 
 class DenseBlock(nn.Module):
     """Pre-norm block: x + drop(attn(norm1(x))), then + mlp(norm2(·)) (the MLP drops its output).
-    fused_attention: flash attention (SDPA) whenever no dropout mask is drawn (lesson 09)."""
+    fused_attention: flash attention (SDPA) whenever no dropout mask is drawn (lesson 10)."""
 
     def __init__(self, config: GPTConfig, layer: int, fused_attention: bool = True) -> None:
         super().__init__()

@@ -17,8 +17,8 @@ How the model runs is given to TPGPT as keyword arguments (tpedu.parallel.config
 TP regions every rank keeps only its s/t positions; each all-reduce becomes a reduce-scatter
 (forward) and each f an all-gather, see tpedu/tp/sequence_parallel.py. `sync_grads()` then also
 sums the gradients of the replicated parameters that saw only a sequence shard. `recompute`
-(lesson 09): "selective" recomputes the attention core in backward, "full" the whole block from
-its input. `overlap_comm` (lesson 14): f's backward all-reduce runs while dL/dW is computed.
+(lesson 10): "selective" recomputes the attention core in backward, "full" the whole block from
+its input. `overlap_comm` (lesson 15): f's backward all-reduce runs while dL/dW is computed.
 `cp_group` (context parallelism, tpedu.cp): each CP rank feeds its positions of the sequence
 (`cp_layout`: zig-zag or contiguous, `tpedu.cp.ring.split_sequence`), learned positions and
 RoPE use the global positions, attention is ring or Ulysses attention (`cp_strategy`) over the
@@ -204,7 +204,7 @@ class TPGPT(nn.Module):
     previous stage's hidden states [b, s, H]. The last stage holds the final norm and the head
     and returns logits or the loss; the others return hidden states. With tied embeddings and
     more than one stage, the last stage keeps its own copy of the embedding table as the head;
-    the two copies' gradients must be summed over the first and last stage (lesson 10).
+    the two copies' gradients must be summed over the first and last stage (lesson 11).
 
     With sequence_parallel the hidden states between blocks (and between stages) are this
     rank's sequence shard [b, s/t, H]; ids, targets, logits and loss are as above.

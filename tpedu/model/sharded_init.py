@@ -1,4 +1,4 @@
-"""Lessons 07–13: build a rank's shards without ever holding the dense model.
+"""Lessons 07–14: build a rank's shards without ever holding the dense model.
 
 `TPGPT(DenseGPT(config), group)` builds the whole dense fp32 model on every rank and then keeps
 1/t of it: 26 GB per rank for a 6.5 B model, before the first step. `build_sharded` gives the

@@ -1,4 +1,4 @@
-"""Lesson 13: the shard map (used from lesson 07 on). For every parameter of a rank's model: its
+"""Lesson 14: the shard map (used from lesson 07 on). For every parameter of a rank's model: its
 dense name (DenseGPT's state-dict key), how it is split over the TP group, and how many ranks
 hold a copy of each element. One walker (`shard_map`) serves the dense state-dict gather
 (`TPGPT.gather_state_dict`), the gradient norm's replica counts (`TPGPT.squared_grad_sum`),

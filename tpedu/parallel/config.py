@@ -1,18 +1,18 @@
-"""Lessons 08–14: `ParallelConfig`, how a model runs, kept apart from what it is (`GPTConfig`).
+"""Lessons 08–15: `ParallelConfig`, how a model runs, kept apart from what it is (`GPTConfig`).
 
 torchtitan's rule: the model stays plain, and parallelism is applied to it from a separate
 config. Every field here changes how the work is spread over ranks, never the function the
 model computes or the tensors it stores, so a checkpoint saved under one ParallelConfig loads
-under any other (lesson 13):
+under any other (lesson 14):
 
-    tp, pp, dp          the 3D layout (lesson 12; `Layout`, `Mesh`)
-    schedule, chunks    the pipeline schedule and model chunks per pipeline rank (lesson 10)
+    tp, pp, dp          the 3D layout (lesson 13; `Layout`, `Mesh`)
+    schedule, chunks    the pipeline schedule and model chunks per pipeline rank (lesson 11)
     micro_batches       per step, with pp > 1 (None: the largest ≤ 2·pp dividing the batch)
     stage_split         "even" blocks per stage, or "flops" (the head counted in blocks)
     sequence_parallel   norms, dropout, residuals on s/t positions between TP regions (lesson 08)
-    recompute           "none", "selective" (attention core) or "full" (whole block) (lesson 09)
-    overlap_comm        f's backward all-reduce overlapped with dL/dW (lesson 14)
-    zero                ZeRO stage over the DP ranks (lesson 11): 0 none, 1 AdamW's states,
+    recompute           "none", "selective" (attention core) or "full" (whole block) (lesson 10)
+    overlap_comm        f's backward all-reduce overlapped with dL/dW (lesson 15)
+    zero                ZeRO stage over the DP ranks (lesson 12): 0 none, 1 AdamW's states,
                         2 and the gradients, 3 and the parameters (FSDP)
     cp, cp_strategy     context parallelism: the sequence split over cp ranks for the whole
     cp_layout           layer, "ring" or "ulysses" attention, "zigzag" or "contiguous" split

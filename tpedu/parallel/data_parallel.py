@@ -1,4 +1,4 @@
-"""Lesson 11: data parallelism (数据并行): every DP rank holds the same model, sees its own slice of
+"""Lesson 12: data parallelism (数据并行): every DP rank holds the same model, sees its own slice of
 the batch, and the gradients are averaged before the optimizer step.
 
     DataParallel(model, group)   gradient all-reduce in buckets, launched from backward hooks
@@ -81,9 +81,9 @@ class DataParallel:
     With accumulation: `with dp.no_sync(): loss_i.backward()` for all but the last micro-batch.
     Every DP rank must run the same backward (same graph), so buckets start in the same order.
     `reduce_dtype` (e.g. torch.bfloat16) sends the buckets in that dtype: half the bytes of
-    fp32, and the sum of N replicas rounded at every step of the ring (lesson 15 measures it).
+    fp32, and the sum of N replicas rounded at every step of the ring (lesson 16 measures it).
     `events`: set it to a list to record ("launch <bucket>", perf_counter()) per all-reduce
-    started and ("finish", ...), ("finished", ...) around finish() (lesson 11's timeline).
+    started and ("finish", ...), ("finished", ...) around finish() (lesson 12's timeline).
     """
 
     def __init__(

@@ -1,4 +1,4 @@
-"""Lesson 12: the device mesh: which global ranks form each TP, CP, PP and DP group.
+"""Lesson 13: the device mesh: which global ranks form each TP, CP, PP and DP group.
 
 A layout (tp, pp, dp) puts world = tp·pp·dp ranks on a grid; context parallelism adds a fourth
 axis, cp (default 1). TP varies fastest, then CP, then PP, then DP:
@@ -25,7 +25,7 @@ group, in the same order, even the groups it is not in. `Mesh` does exactly that
 
 The second seed builds its "TP group" as `[r for r in range(world) if r % tp == tp_rank]`: those
 are the ranks with the same tp_rank, i.e. a DP group (at pp = 1), not a TP group. `seed_tp_group`
-reproduces it so lesson 12 can show the difference.
+reproduces it so lesson 13 can show the difference.
 """
 
 from __future__ import annotations

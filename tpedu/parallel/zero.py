@@ -1,4 +1,4 @@
-"""Lesson 11: ZeRO-2 and ZeRO-3 (FSDP): the gradients, then the parameters too, sharded over DP.
+"""Lesson 12: ZeRO-2 and ZeRO-3 (FSDP): the gradients, then the parameters too, sharded over DP.
 
     ShardedDataParallel(chunks, group, level=2)   ZeRO-2: gradients and AdamW states sharded
     ShardedDataParallel(chunks, group, level=3)   ZeRO-3 / FSDP: the parameters as well
@@ -56,7 +56,7 @@ class FlatBuffer:
     updates; grad_weight [n]: 1 / (ranks holding a copy) per element, 0 for padding and for
     elements the gradient norm leaves out (a tied head's second copy). `log`: set it to a list
     to record ("gather" | "free", self, perf_counter()) when the buffer's memory comes and goes
-    (lesson 11's timeline)."""
+    (lesson 12's timeline)."""
 
     def __init__(
         self,

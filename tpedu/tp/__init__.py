@@ -12,7 +12,7 @@
     vocab_parallel     the vocab-parallel cross-entropy, argmax and sampling (lesson 06)
     rope               rotary position embeddings, applied per head (lesson 07)
     sequence_parallel  the sequence-parallel operators: all-gather / reduce-scatter on s (lesson 08)
-    overlap            the column-parallel backward all-reduce hidden behind a matmul (lesson 14)
+    overlap            the column-parallel backward all-reduce hidden behind a matmul (lesson 15)
 
 Each module is tested against (and built from) its dense reference in tpedu.tp.dense.
 """

@@ -29,7 +29,7 @@ after backward (before the optimizer step).
 Sequence parallelism (lesson 08, `sequence_parallel=True`): x arrives as this rank's sequence
 shard [b, s/t, H]; the f becomes an all-gather fused with the QKV matmul (all_gather_linear)
 and the out projection reduce-scatters back to [b, s/t, H]. `recompute_core=True` (selective
-recomputation, lesson 09) keeps only q, k, v for backward and recomputes scores, softmax and
+recomputation, lesson 10) keeps only q, k, v for backward and recomputes scores, softmax and
 dropout from them: the a·s² terms leave the memory ledger.
 """
 
@@ -154,7 +154,7 @@ class ParallelAttention(nn.Module):
     ) -> None:
         super().__init__()
         self.fused = fused  # tpedu.tp.dense.attend: flash attention unless a dropout mask is drawn
-        self.async_grad_all_reduce = False  # True: overlap f's backward all-reduce (lesson 14)
+        self.async_grad_all_reduce = False  # True: overlap f's backward all-reduce (lesson 15)
         self.sequence_parallel, self.recompute_core = sequence_parallel, recompute_core
         self.cp_group, self.cp_attention = None, None  # set by TPGPT with context parallelism
         self.rope_theta = rope_theta  # RoPE rotates each head on its own: no communication

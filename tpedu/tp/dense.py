@@ -112,9 +112,9 @@ def attend(
     """softmax(q·kᵀ/√d, future masked if causal) · v: q, k, v [b, a, s, d] -> [b, a, s, d].
 
     `fused` and no `dropout`: F.scaled_dot_product_attention, a flash-attention kernel on CPU
-    and GPU. It never stores the [b, a, s, s] scores or probabilities (lesson 09's 5·a·s²·b bytes
+    and GPU. It never stores the [b, a, s, s] scores or probabilities (lesson 10's 5·a·s²·b bytes
     drop out, as with selective recomputation) and runs ~2× faster than the explicit path on
-    the benchmark model. Otherwise the explicit path below, whose every intermediate lesson 09
+    the benchmark model. Otherwise the explicit path below, whose every intermediate lesson 10
     counts, with `dropout` applied to the probabilities: a fused kernel draws its own mask, and
     tensor parallelism needs index_dropout's (each rank draws its heads' slice of the dense one).
     """

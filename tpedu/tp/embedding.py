@@ -50,7 +50,7 @@ def vocab_range(vocab_size: int, tp: int, rank: int) -> tuple[int, int]:
 
 
 def _check_ids(ids: torch.Tensor, vocab_size: int) -> None:
-    if ids.device.type == "meta":  # shapes only, no values to check (lesson 12's dry run)
+    if ids.device.type == "meta":  # shapes only, no values to check (lesson 13's dry run)
         return
     if ids.device.type == "cuda":  # int(ids.max()) would stall the GPU every forward
         ok = ((ids >= 0) & (ids < vocab_size)).all()

@@ -54,7 +54,7 @@ def column_parallel_linear(
     Forward: no communication (+1 all-gather if gather_output). Backward: 1 all-reduce of dL/dx
     (f = copy_to_tp_region), since every rank's shard contributes to x's gradient.
     async_grad_all_reduce: the same arithmetic, with that all-reduce overlapped with dL/dW
-    (tpedu.tp.overlap, lesson 14).
+    (tpedu.tp.overlap, lesson 15).
     """
     if async_grad_all_reduce:
         y = linear_with_async_grad_all_reduce(x, weight, bias, group)
@@ -127,7 +127,7 @@ class ColumnParallelLinear(nn.Module):
         self.group = group
         self.sequence_parallel = sequence_parallel  # input [b, s/t, in]: all-gather it first
         self.gather_output = gather_output
-        self.async_grad_all_reduce = False  # True: overlap f's backward all-reduce (lesson 14)
+        self.async_grad_all_reduce = False  # True: overlap f's backward all-reduce (lesson 15)
         self.tp = dist.get_world_size(group)
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         check_divisible(self.out_features, self.tp, "out_features of ColumnParallelLinear")

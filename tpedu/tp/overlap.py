@@ -1,4 +1,4 @@
-"""Lesson 14: hide the column-parallel layer's backward all-reduce behind its weight-gradient
+"""Lesson 15: hide the column-parallel layer's backward all-reduce behind its weight-gradient
 matmul.
 
 A column-parallel linear y = f(x)·Wᵀ + b (tpedu.tp.layers) runs in backward, one after another:

@@ -70,7 +70,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     ) -> torch.Tensor:
         start, n, _ = _shard_info(logits_shard, vocab_size, group)
         bad = ((target < 0) | (target >= vocab_size)) & (target != ignore_index)
-        # meta tensors (lesson 12's dry run) have shapes, no values to check; on a GPU the
+        # meta tensors (lesson 13's dry run) have shapes, no values to check; on a GPU the
         # check is a device-side assert: bool(bad.any()) would stall it every forward
         if target.device.type == "cuda":
             msg = f"targets must be in [0, {vocab_size}) or ignore_index={ignore_index}"

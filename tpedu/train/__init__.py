@@ -1,7 +1,7 @@
-"""Lessons 07–13: training the novel GPT: the data, the training loop, generation.
+"""Lessons 07–14: training the novel GPT: the data, the training loop, generation.
 
-    loop      the training loop: TP (lesson 07), 3D with pp and dp (lesson 12), checkpoints (13)
-    preempt   on SIGTERM every rank stops after the same step and saves it (lesson 13)
+    loop      the training loop: TP (lesson 07), 3D with pp and dp (lesson 13), checkpoints (13)
+    preempt   on SIGTERM every rank stops after the same step and saves it (lesson 14)
     generate  continue a prompt with a trained model and the vocab-parallel sampler (lesson 07)
     data      the novel and its batches: corpus, tokenizer, batches (lesson 07)
 

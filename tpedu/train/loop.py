@@ -1,4 +1,4 @@
-"""Lesson 07: train the tensor-parallel novel GPT, and (lesson 12) in 3D: one `train` for both.
+"""Lesson 07: train the tensor-parallel novel GPT, and (lesson 13) in 3D: one `train` for both.
 
 `train(config, cfg, ..., parallel=ParallelConfig(...))` runs on every rank (launched by
 `tpedu.launch`, the CLI, or torchrun). Plain tensor parallelism (`parallel.tp_only`) runs a
@@ -10,7 +10,7 @@ same batch as the rest of its TP group (seeded by the step), and updates only it
 
 Saved models are a directory: `config.json` (model + training settings), `tokenizer.json`, and
 `model.safetensors` with the *dense* state dict (gathered from the shards), written atomically
-(temporary directory, then rename). Sharded, reshardable checkpoints are lesson 13.
+(temporary directory, then rename). Sharded, reshardable checkpoints are lesson 14.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from tpedu.checkpoint.convert import write_model_dir
-from tpedu.checkpoint.sharded import resume_from, save_if_due, saving_now  # lesson 13
+from tpedu.checkpoint.sharded import resume_from, save_if_due, saving_now  # lesson 14
 from tpedu.comm import collectives
 from tpedu.launcher import device
 from tpedu.model.config import GPTConfig
@@ -51,7 +51,7 @@ from tpedu.parallel.zero import ShardedDataParallel
 from tpedu.tp.sharding import divisors
 from tpedu.train.data.batches import packed_batch
 from tpedu.train.precision import DTYPES, LossScaler, autocast, make_scaler
-from tpedu.train.preempt import Preempted, agree_to_stop, sigterm_flag  # lesson 13
+from tpedu.train.preempt import Preempted, agree_to_stop, sigterm_flag  # lesson 14
 
 
 @dataclass
@@ -67,7 +67,7 @@ class TrainConfig:
     eval_batches: int = 4
     seed: int = 0
     progress: bool = True
-    ckpt_dir: str | None = None  # sharded checkpoints (lesson 13) go here ...
+    ckpt_dir: str | None = None  # sharded checkpoints (lesson 14) go here ...
     save_every: int = 0  # ... every this many steps (and at the end); 0: only at the end
     resume: str | None = None  # a checkpoint (step dir or its parent) to continue from
     dtype: str = "fp32"  # "bf16" / "fp16": autocast compute, fp32 master weights (precision.py)
@@ -318,7 +318,7 @@ def run_loop(
     checkpoint when due); every cfg.eval_every steps and at the end, `evaluate()` gives the
     validation loss. The progress bar and the evaluation lines are rank 0's.
 
-    Preemption (lesson 13, tpedu.train.preempt): SIGTERM on any rank stops every rank after the
+    Preemption (lesson 14, tpedu.train.preempt): SIGTERM on any rank stops every rank after the
     same step k: `save(k + 1)` saves whether due or not (cfg.ckpt_dir; without one nothing is
     saved) and `Preempted(k + 1, path)` is raised. One 4-byte all-reduce per step decides it.
     """

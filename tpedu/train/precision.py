@@ -1,4 +1,4 @@
-"""Lessons 07–15: mixed precision: bf16 or fp16 arithmetic, fp32 master weights, loss scaling.
+"""Lessons 07–16: mixed precision: bf16 or fp16 arithmetic, fp32 master weights, loss scaling.
 
 tpedu follows PyTorch's automatic mixed precision (AMP), not Megatron-LM's Float16Optimizer:
 

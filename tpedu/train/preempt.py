@@ -1,4 +1,4 @@
-"""Lesson 13: preemption: on SIGTERM, every rank finishes the same step, saves it, and stops.
+"""Lesson 14: preemption: on SIGTERM, every rank finishes the same step, saves it, and stops.
 
 A cluster takes nodes back by sending SIGTERM, then SIGKILL a grace period later (SLURM's
 KillWait and Kubernetes' terminationGracePeriodSeconds are both 30 s by default). A job that

@@ -1,4 +1,4 @@
-"""Lesson 10: pipeline parallelism: pure schedules, and the runtime that runs them on ranks.
+"""Lesson 11: pipeline parallelism: pure schedules, and the runtime that runs them on ranks.
 
     schedules  stage partition, GPipe / 1F1B / interleaved schedules, bubble, simulation, timeline
     runtime    Pipe, run_schedule (the schedule on real ranks), stage chunks, tied-embedding grads

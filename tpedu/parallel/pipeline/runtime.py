@@ -1,4 +1,4 @@
-"""Lesson 10: run a pipeline schedule on real ranks: each stage's actions, sends and receives.
+"""Lesson 11: run a pipeline schedule on real ranks: each stage's actions, sends and receives.
 
 `run_schedule` executes this rank's list of actions (tpedu.parallel.pipeline.schedules) on its
 model chunks: forwards receive the previous stage's activations and send theirs on, backwards

@@ -1,4 +1,4 @@
-"""Lesson 10: pipeline parallelism (流水线并行): layers split into stages, micro-batches flow
+"""Lesson 11: pipeline parallelism (流水线并行): layers split into stages, micro-batches flow
 through them.
 
     stage 0: embedding + blocks[0:a]  ──activation──▶  stage 1: blocks[a:b]  ──▶ ... ──▶
