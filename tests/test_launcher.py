@@ -143,8 +143,10 @@ def test_back_to_back_launches_with_failures_in_between():
         assert [o["rank"] for o in launch(rank_info, 2, 1.0)] == [0, 1]
 
 
-def test_ctrl_c_kills_every_rank(tmp_path):
-    """SIGINT to the launching process (a kernel interrupt) leaves no rank running."""
+def signal_sleeping_ranks(tmp_path: Path, sig: signal.Signals, catch: str, say: str):
+    """Start a script that launches 2 ranks which sleep (each writes its pid file to
+    `tmp_path` first); once both run, send `sig` to the script. It catches `catch` and prints
+    `say` (a Python expression over the exception `e`). Returns (its stdout, the ranks' pids)."""
     script = textwrap.dedent(f"""
         import os, time
         import tpedu
@@ -155,8 +157,8 @@ def test_ctrl_c_kills_every_rank(tmp_path):
 
         try:
             tpedu.launch(work, 2, timeout=60)
-        except KeyboardInterrupt:
-            print("interrupted", flush=True)
+        except {catch} as e:
+            print({say}, flush=True)
     """)
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 30
@@ -164,8 +166,14 @@ def test_ctrl_c_kills_every_rank(tmp_path):
         time.sleep(0.05)
     pids = [int(p.name[3:]) for p in tmp_path.glob("pid*")]
     assert len(pids) == 2, "ranks did not start"
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(sig)
     out, _ = proc.communicate(timeout=30)
+    return out, pids
+
+
+def test_ctrl_c_kills_every_rank(tmp_path):
+    """SIGINT to the launching process (a kernel interrupt) leaves no rank running."""
+    out, pids = signal_sleeping_ranks(tmp_path, signal.SIGINT, "KeyboardInterrupt", '"interrupted"')
     assert "interrupted" in out
     for pid in pids:
         assert not Path(f"/proc/{pid}").exists(), f"rank process {pid} survived Ctrl-C"

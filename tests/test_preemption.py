@@ -11,7 +11,6 @@ import shlex
 import signal
 import subprocess
 import sys
-import textwrap
 import threading
 import time
 from argparse import Namespace
@@ -20,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from tests.test_launcher import _children
+from tests.test_launcher import _children, signal_sleeping_ranks
 from tpedu import launch
 from tpedu.checkpoint import sharded
 from tpedu.cli.commands import _preempted, _resume_command, main
@@ -233,26 +232,6 @@ def test_the_cli_line_and_the_resume_command(capsys):
 def test_a_worker_without_a_handler_ends_by_sigterm_and_nothing_is_left(tmp_path):
     """SIGTERM to a script's launching process reaches the ranks as SIGTERM (not a kill): a
     worker that does not handle it ends by it, and the launch reports that."""
-    script = textwrap.dedent(f"""
-        import os, time
-        import tpedu
-
-        def work():
-            open(os.path.join({str(tmp_path)!r}, f"pid{{os.getpid()}}"), "w").close()
-            time.sleep(60)
-
-        try:
-            tpedu.launch(work, 2, timeout=60)
-        except tpedu.RankError as e:
-            print(e, flush=True)
-    """)
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 30
-    while len(list(tmp_path.glob("pid*"))) < 2 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    pids = [int(p.name[3:]) for p in tmp_path.glob("pid*")]
-    assert len(pids) == 2, "ranks did not start"
-    proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=30)
+    out, pids = signal_sleeping_ranks(tmp_path, signal.SIGTERM, "tpedu.RankError", "e")
     assert "was killed by signal SIGTERM" in out, out
     assert not [pid for pid in pids if Path(f"/proc/{pid}").exists()], "a rank survived"

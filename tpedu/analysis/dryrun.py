@@ -75,7 +75,7 @@ from torch import nn
 
 from tpedu.analysis import whatif
 from tpedu.analysis.activation_memory import SavedTensorCounter
-from tpedu.analysis.memory import GB, activation_bytes_per_layer, ledger
+from tpedu.analysis.memory import GB, Ledger, activation_bytes_per_layer, ledger
 from tpedu.analysis.shape import ModelShape, layer_params
 from tpedu.comm import collectives
 from tpedu.comm.tracer import CommTracer
@@ -940,8 +940,9 @@ def _memory_comparisons(
     if shape is None:
         return [Comparison(w, v, None, "ledger", note=why) for w, v in measured]
     dp, zero = parallel.dp, parallel.zero
-    try:
-        led = ledger(
+
+    def ledger_of(shape: ModelShape) -> Ledger:  # as this rank runs: fp32 states, its layout
+        return ledger(
             shape,
             parallel.tp,
             parallel.pp,
@@ -953,6 +954,9 @@ def _memory_comparisons(
             optimizer_bytes=ADAMW_BYTES,
             zero=zero,
         )
+
+    try:
+        led = ledger_of(shape)
     except ValueError as e:  # e.g. KV heads replicated (tp > KV heads): the ledger refuses
         return [Comparison(w, v, None, "ledger", note=str(e)) for w, v in measured]
     params = _param_terms(fig, config, parallel)
@@ -1010,18 +1014,7 @@ def _memory_comparisons(
         out.append(_gathered_comparison(fig, parallel, led.weights, scaled(VALUE_BYTES, 1)))
     if parallel.cp > 1:  # the activations are those of this rank's s/cp positions
         local = dataclasses.replace(shape, seq_len=config.seq_len // parallel.cp)
-        led_act = ledger(
-            local,
-            parallel.tp,
-            parallel.pp,
-            dp,
-            parallel.sequence_parallel,
-            parallel.recompute,
-            weight_bytes=VALUE_BYTES,
-            grad_bytes=VALUE_BYTES,
-            optimizer_bytes=ADAMW_BYTES,
-            zero=zero,
-        ).activations
+        led_act = ledger_of(local).activations
     else:
         led_act = led.activations
     out.append(_activation_comparison(fig, config, parallel, led_act))

@@ -72,7 +72,23 @@ class _Bucket:
         self.work: dist.Work | None = None
 
 
-class DataParallel:
+class GradientSync:
+    """What DataParallel and ZeRO-2/3 (tpedu.parallel.zero) share: `sync`, whether their
+    backward hooks reduce now, and `no_sync()` for the micro-batches that only accumulate."""
+
+    sync = True
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward inside this only accumulates gradients (no reduction)."""
+        self.sync = False
+        try:
+            yield
+        finally:
+            self.sync = True
+
+
+class DataParallel(GradientSync):
     """Average the gradients of `module` over the DP `group`, bucket by bucket, during backward.
 
     Usage per step:
@@ -127,15 +143,6 @@ class DataParallel:
         self.launched.append(bucket)
         if self.events is not None:
             self.events.append((f"launch {self.buckets.index(bucket)}", time.perf_counter()))
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Backward inside this only accumulates gradients (no all-reduce)."""
-        self.sync = False
-        try:
-            yield
-        finally:
-            self.sync = True
 
     def finish(self) -> None:
         """Start any bucket whose gradients never all arrived (unused parameters), wait for all,

@@ -45,6 +45,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tpedu.comm import collectives
+from tpedu.parallel.data_parallel import GradientSync
 
 LEVELS = (2, 3)
 
@@ -96,6 +97,11 @@ class FlatBuffer:
         self.ready, self.grad_out, self.grad_work = 0, None, None
         self.log: list[tuple[str, FlatBuffer, float]] | None = None
 
+    def flat(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Tensors shaped like `params`, end to end and zero-padded: [N·n], the buffer's layout."""
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        return nn.functional.pad(flat, (0, self.n * self.size - flat.numel()))
+
     # ZeRO-3's rhythm: gather before use, free after.
     def gather(self, async_op: bool = False) -> None:
         """All-gather the shards into the buffer (no-op if it is already there or coming)."""
@@ -137,16 +143,18 @@ class FlatBuffer:
         """Drop the full buffer's memory (the parameters keep their shapes, not their data)."""
         if self.log is not None and (self.gathered or self.gather_work is not None):
             self.log.append(("free", self, time.perf_counter()))
-        self.wait_gather()
+        if self.gather_work is not None:  # a prefetch still in flight: let it land, unused
+            self.gather_work.wait()
+            self.gather_work, self.narrow = None, None
         self.full.untyped_storage().resize_(0)
         self.gathered = False
 
     # Gradients: full per-parameter .grad -> this rank's summed shard.
     def reduce_grads(self) -> None:
         """Start the async reduce-scatter of the parameters' gradients; drops .grad."""
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        flat = nn.functional.pad(flat, (0, self.n * self.size - flat.numel()))
+        flat = self.flat(
+            [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        )
         if self.reduce_dtype is not None:
             flat = flat.to(self.reduce_dtype)
         self.grad_out = flat.new_empty(self.n)
@@ -207,7 +215,7 @@ class _Unit:
             b.free()
 
 
-class ShardedDataParallel:
+class ShardedDataParallel(GradientSync):
     """ZeRO-2 or ZeRO-3 over the DP `group` for this rank's TPGPT chunks.
 
     Per step: forward/backward (micro-batches inside `no_sync()` except the last), the caller's
@@ -237,7 +245,7 @@ class ShardedDataParallel:
     ) -> None:
         if level not in LEVELS:
             raise ValueError(f"ShardedDataParallel level must be one of {LEVELS}, got {level}")
-        self.level, self.group, self.sync, self.prefetch = level, group, True, prefetch
+        self.level, self.group, self.prefetch = level, group, prefetch
         self.decay, self.weight_of, self.reduce_dtype = decay, weight_of, reduce_dtype
         self.gather_dtype = gather_dtype
         self.deferred = {id(p) for p in defer}
@@ -351,16 +359,7 @@ class ShardedDataParallel:
         for unit in self.roots:
             unit.module.register_forward_pre_hook(lambda _m, _a, unit=unit: self._gather(unit))
 
-    # The DataParallel side.
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Backward inside this only accumulates the full gradients (no reduce-scatter)."""
-        self.sync = False
-        try:
-            yield
-        finally:
-            self.sync = True
-
+    # The DataParallel side (and `no_sync()`, from GradientSync: only full gradients accumulate).
     def finish(self) -> None:
         """Reduce-scatter what backward did not (deferred, unused), wait for everything: every
         shard.grad is then the DP mean of its elements."""
@@ -436,8 +435,15 @@ class ShardedDataParallel:
                 for shards in [set(g["params"])]
             ]
         )
-        for b in self.buffers:
-            b.gather()
+        with self.gathered():
+            self._gather_states(full)
+            try:
+                yield full
+            finally:
+                self._take_shards(full)
+
+    def _gather_states(self, full: torch.optim.AdamW) -> None:
+        """The shards' AdamW states, all-gathered, as `full`'s per-parameter states."""
         for b in self.buffers:
             st = self.inner.state.get(b.shard, {})
             for key, value in st.items():
@@ -449,13 +455,10 @@ class ShardedDataParallel:
                 collectives.all_gather_into(whole, value, b.group)
                 for p, piece in zip(b.params, b.slices, strict=True):
                     full.state.setdefault(p, {})[key] = whole[piece].view_as(p)
-        try:
-            yield full
-        finally:
-            self._take_shards(full)
 
     @torch.no_grad()
     def _take_shards(self, full: torch.optim.AdamW) -> None:
+        """Each rank's shard of `full`'s (possibly loaded) parameters and states back."""
         for b in self.buffers:
             b.shard.copy_(b.full[b.mine])
             states = [full.state.get(p, {}) for p in b.params]
@@ -465,9 +468,5 @@ class ShardedDataParallel:
                     if value.dim() == 0:
                         st[key] = value.clone()
                         continue
-                    flat = torch.cat([s[key].reshape(-1) for s in states])
-                    flat = nn.functional.pad(flat, (0, b.n * b.size - flat.numel()))
-                    st[key] = flat[b.mine].to(b.shard.dtype).clone()
+                    st[key] = b.flat([s[key] for s in states])[b.mine].to(b.shard.dtype).clone()
                 self.inner.state[b.shard] = st
-            if self.level == 3:
-                b.free()

@@ -156,7 +156,7 @@ def make_sharded(
     left out, as grad_norm_3d leaves it)."""
 
     def weight_of(chunk: TPGPT, name: str) -> float | torch.Tensor:
-        if name == "lm_head.weight" and chunk.config.tie_embeddings:
+        if chunk.get_parameter(name) is tied_head_copy(chunk):
             return 0.0
         return 1.0 / chunk.copies_of(name)
 
@@ -398,6 +398,14 @@ def default_micro_batches(per_rank_batch: int, pp: int) -> int:
     return max(m for m in divisors(per_rank_batch) if m <= 2 * pp)
 
 
+def tied_head_copy(chunk: TPGPT) -> torch.nn.Parameter | None:
+    """The last stage's own copy of a tied embedding (its head), which the gradient norm leaves
+    out: after `sync_tied_grads` its gradient equals the first stage's table's. None if untied
+    or if this chunk has no separate head."""
+    tied = chunk.config.tie_embeddings and chunk.lm_head is not None
+    return chunk.lm_head.weight if tied else None
+
+
 def grad_norm_3d(chunks: Sequence[TPGPT], mesh: Mesh) -> torch.Tensor:
     """L2 norm of the whole model's gradient on every rank of a 3D layout. 2 small all-reduces.
 
@@ -409,8 +417,7 @@ def grad_norm_3d(chunks: Sequence[TPGPT], mesh: Mesh) -> torch.Tensor:
     """
     sq = torch.zeros((), dtype=torch.float64, device=next(chunks[0].parameters()).device)
     for chunk in chunks:
-        tied = chunk.config.tie_embeddings and chunk.lm_head is not None
-        sq += chunk.squared_grad_sum(skip=chunk.lm_head.weight if tied else None)
+        sq += chunk.squared_grad_sum(skip=tied_head_copy(chunk))
     collectives.all_reduce(sq, mesh.tp_group)
     return collectives.all_reduce(sq, mesh.pp_group).sqrt()
 
