@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/bench_zero.py [--dp 2] [--reps 5]
 
 dp ranks (1 thread each) train the benchmark model (harness.CONFIG) with plain DP (bucketed
-all-reduce), ZeRO-2 and ZeRO-3 (with and without prefetching the next block's all-gather),
+all-reduce), ZeRO-1, ZeRO-2 and ZeRO-3 (with and without prefetching the next block's all-gather),
 alternating the variants step by step so machine noise hits all; medians of the slowest rank.
 Per variant, measured on rank 0: elements sent per step by the collectives (tracer), bytes of
 whole parameters, of gradients after finish() and of AdamW state, ZeRO-3's peak of gathered
@@ -27,7 +27,7 @@ from tpedu.parallel.data_parallel import DataParallel
 from tpedu.parallel.mesh import Layout, Mesh
 from tpedu.train.loop import TrainConfig, make_optimizer, make_sharded
 
-VARIANTS = ("dp", "zero2", "zero3", "zero3, no prefetch")
+VARIANTS = ("dp", "zero1", "zero2", "zero3", "zero3, no prefetch")
 MB = 2**20
 
 
@@ -37,7 +37,7 @@ def build(variant: str, mesh: Mesh, config: GPTConfig) -> tuple[torch.nn.Module,
     cfg = TrainConfig()
     if variant == "dp":
         return model, DataParallel(model, mesh.dp_group), make_optimizer(model, cfg)
-    sdp = make_sharded([model], cfg, 2 if variant == "zero2" else 3, mesh)
+    sdp = make_sharded([model], cfg, int(variant[4]), mesh)
     sdp.prefetch = variant != "zero3, no prefetch"
     return model, sdp, sdp
 
@@ -83,7 +83,9 @@ def run(dp: int, reps: int, config: GPTConfig = CONFIG) -> dict:
             "weights": reducer.gathered_bytes() + 4 * sum(b.n for b in reducer.buffers)
             if sharded
             else 4 * params,
+            # the shards' means, and ZeRO-1's whole local gradients beside them
             "grads": 4 * sum(b.shard.grad.numel() for b in reducer.buffers)
+            + (4 * params if v == "zero1" else 0)
             if sharded
             else 4 * params,
             "state": 4 * (reducer.state_numel() if sharded else 2 * params),
@@ -128,12 +130,13 @@ def main() -> None:
             f"{r['peak'] / MB:>8.1f}"
         )
     print(
-        "formula, sent / Ψ: DP 2·(N-1)/N; ZeRO-2 the same over the padded buffers; ZeRO-3 "
+        "formula, sent / Ψ: DP 2·(N-1)/N; ZeRO-1/2 the same over the padded buffers; ZeRO-3 "
         "(N-1)/N·(2 + Ψ_blocks/Ψ): the root's all-gather is not repeated in backward"
     )
     print(
-        "weights: whole parameters held after the step plus the fp32 shards (ZeRO-2 keeps both: "
-        "its shards copy 1/N of the fp32 parameters); peak: whole parameters at once in the step"
+        "weights: whole parameters held after the step plus the fp32 shards (ZeRO-1/2 keep both: "
+        "their shards copy 1/N of the fp32 parameters); grads: ZeRO-1 keeps the whole local "
+        "gradients beside its shards' means; peak: whole parameters at once in the step"
     )
 
 

@@ -1,9 +1,8 @@
 """Data parallelism: bucketed all-reduce == one process with the global batch, accumulation
-without extra all-reduces, overlap with backward (tracer), ZeRO-1 == plain DP.
+without extra all-reduces, overlap with backward (tracer). ZeRO: tests/test_zero.py.
 
 Tolerances: float64. DP averages N per-rank mean gradients (a reordered sum, ≈1e-16 relative);
-1e-12 relative catches any real error (a missing 1/N is 100 %, a wrong slice ≥1e-3). ZeRO-1 runs
-the very same AdamW arithmetic on each parameter, only on another rank: exactly 0.0.
+1e-12 relative catches any real error (a missing 1/N is 100 %, a wrong slice ≥1e-3).
 """
 
 import pytest
@@ -13,7 +12,7 @@ from tpedu import launch
 from tpedu.comm.tracer import CommTracer
 from tpedu.model.config import GPTConfig
 from tpedu.model.dense import DenseGPT
-from tpedu.parallel.data_parallel import DataParallel, ZeRO1
+from tpedu.parallel.data_parallel import DataParallel
 
 CONFIG = GPTConfig.gpt2_like(29, seq_len=8, n_layers=2, hidden=12, n_heads=2)
 B, S = 3, 7  # per-rank batch, sequence
@@ -90,48 +89,6 @@ def test_dp_equals_one_process_with_the_global_batch():
                 assert r["started"][0] >= 1  # a bucket was in flight before backward ended
 
 
-def test_zero1_matches_plain_dp_exactly_and_shards_the_states():
-    def worker(n, zero):
-        import torch.distributed as dist
-
-        r = dist.get_rank()
-        m = model()
-        dp = DataParallel(m, bucket_numel=500)
-        groups = [
-            {"params": [p for p in m.parameters() if p.dim() >= 2], "weight_decay": 0.1},
-            {"params": [p for p in m.parameters() if p.dim() < 2], "weight_decay": 0.0},
-        ]
-        kw = {"lr": 1e-2, "betas": (0.9, 0.95)}
-        opt = ZeRO1(groups, **kw) if zero else torch.optim.AdamW(groups, **kw)
-        with CommTracer() as t:
-            for step in range(3):
-                ids, tgt = global_batch(n, step)
-                opt.zero_grad(set_to_none=True)
-                m(ids[r * B : (r + 1) * B], tgt[r * B : (r + 1) * B]).backward()
-                dp.finish()
-                opt.step()
-        state = opt.state_numel() if zero else None
-        return (
-            {k: p.detach().clone() for k, p in m.state_dict().items()},
-            state,
-            t.count("broadcast"),
-        )
-
-    def both(n):
-        return worker(n, False), worker(n, True)
-
-    total = sum(p.numel() for p in model().parameters())
-    for n in (2, 3):
-        plain, zero = zip(*launch(both, n, n), strict=True)
-        for (ps, _, _), (zs, state, bcasts) in zip(plain, zero, strict=True):
-            for k in ps:
-                diff = (ps[k] - zs[k]).abs().max().item()
-                assert diff == 0.0, f"dp={n} {k}: max |ZeRO-1 - DP| = {diff:.2e}"
-            assert bcasts == 3 * n  # one flattened broadcast per owner per step
-            assert state < 2 * total
-        assert sum(z[1] for z in zero) == 2 * total  # exp_avg + exp_avg_sq, each stored once
-
-
 def test_dp_training_steps_equal_one_process():
     def worker(n):
         import torch.distributed as dist
@@ -139,7 +96,7 @@ def test_dp_training_steps_equal_one_process():
         r = dist.get_rank()
         m = model()
         dp = DataParallel(m, bucket_numel=400)
-        opt = ZeRO1([{"params": list(m.parameters())}], lr=1e-2)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
         for step in range(3):
             ids, tgt = global_batch(n, step)
             opt.zero_grad()

@@ -28,6 +28,7 @@ from tpedu.comm import collectives
 from tpedu.comm.tracer import CommTracer
 from tpedu.model.config import GPTConfig
 from tpedu.parallel.config import ParallelConfig
+from tpedu.train import loop
 from tpedu.train.loop import TrainConfig, train
 from tpedu.train.loop import make_sharded as train_make_sharded
 
@@ -132,20 +133,28 @@ def test_big_layout_against_the_ledger(big_runs):
             assert c.predicted is not None, c
             assert abs(c.unexplained) < 0.5, (rank, c)
     first = big_runs[0]
-    for what in ("parameters", "weights", "gradients"):  # the ledger describes stage 0 exactly
-        c = first.comparison(what)
-        assert c.measured == c.predicted and not c.terms
+    c = first.comparison("parameters")
+    assert c.measured == c.predicted and not c.terms  # the ledger describes stage 0 exactly
     f = first.figures
-    assert f.params == 462_761_984 and f.weights == f.gradients == 4 * f.params
+    shard = sum(n for _, n, *_ in f.flat_buffers)  # this rank's 1/8 of the flat buffers
+    assert f.params == 462_761_984 and f.params <= 8 * shard < f.params + 8 * len(f.flat_buffers)
+    for what in ("weights", "gradients"):  # whole, as the ledger says, and ZeRO-1's fp32 shard
+        c = first.comparison(what)
+        assert c.predicted == 4 * f.params and c.unexplained == 0
+        assert [t.value for t in c.terms if t.name.startswith("ZeRO-1")] == [4 * shard]
     assert f.micro_batches == 8 and f.micro_batch == 1
     # 1F1B on 4 stages: stage s holds 4 - s micro-batches at its peak; the ledger's pp = 4
     assert [big_runs[r].figures.in_flight for r in (0, 37, 12)] == [4, 3, 1]
     assert f.layer_forwards == 32 == 4 * 8
     assert f.act_layers == 32 * f.act_per_layer  # every block forward saves the same
-    # the dp group carries every gradient once (buckets) and every parameter once (ZeRO-1)
-    dp = {t.op: t.bytes for t in f.traffic if t.group == "dp"}
-    assert dp == {"all_reduce": f.weights, "broadcast": f.weights}
-    assert 0 < f.optimizer_params < f.params / 4  # ZeRO-1: about 1/8 of the states
+    # the dp group carries every gradient once (reduce-scatter) and every parameter once
+    # (all-gather), padded, and the gradient norm's float64
+    dp: dict[str, int] = {}
+    for t in f.traffic:
+        if t.group == "dp":
+            dp[t.op] = dp.get(t.op, 0) + t.bytes
+    assert dp == {"reduce_scatter": 4 * 8 * shard, "all_gather": 4 * 8 * shard, "all_reduce": 8}
+    assert f.optimizer_params == shard  # ZeRO-1: 1/8 of the states
     last = big_runs[12].figures
     assert last.last and not last.first and last.act_head > 0 and last.act_embedding == 0
 
@@ -232,7 +241,7 @@ def test_big_layout_zero3_against_the_ledger(big_zero3):
 def test_zero3_peak_without_prefetch_is_unexplained(monkeypatch, big_zero3):
     """Mutation: without the prefetch, the gathered peak is one block smaller than the formula
     (the running block only): the comparison is not vacuous."""
-    monkeypatch.setattr(dryrun, "make_sharded", _no_prefetch)
+    monkeypatch.setattr(loop, "make_sharded", _no_prefetch)
     run = dryrun.dry_run(BIG, ParallelConfig(4, 4, 8, zero=3), 64, [0])[0]
     c = run.comparison("whole parameters (peak)")
     assert c.measured < big_zero3[0].figures.peak_gathered and c.unexplained < -1e6

@@ -1,4 +1,4 @@
-"""ZeRO-2 and ZeRO-3 (FSDP): training equals one process (and plain DP) step by step, with TP
+"""ZeRO-1, -2 and -3 (FSDP): training equals one process (and plain DP) step by step, with TP
 and PP around it; the traffic and the memory per rank equal the formulas; checkpoints move
 between ZeRO stages.
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.test_train_3d import CFG, CONFIG, F64, V, check, data, f64
-from tpedu import launch
+from tpedu import checkpoint, launch
 from tpedu.comm.tracer import CommTracer
 from tpedu.model.config import GPTConfig
 from tpedu.model.sharded_init import build_sharded
@@ -40,8 +40,11 @@ def run(layout, config=CONFIG, cfg=CFG, **kw):
     return launch(f64, parallel.world, train, config, cfg, tr, va, parallel=parallel)
 
 
-@pytest.mark.parametrize("zero", [2, 3])
-@pytest.mark.parametrize("layout", [(1, 1, 2), (1, 1, 4), (2, 1, 2), (1, 2, 2)])
+@pytest.mark.parametrize(
+    "zero, layout",
+    [(z, lay) for z in (2, 3) for lay in ((1, 1, 2), (1, 1, 4), (2, 1, 2), (1, 2, 2))]
+    + [(1, (1, 1, 4)), (1, (2, 1, 2))],  # ZeRO-1 with a pipeline: tests/test_train_3d.py
+)
 def test_zero_trains_like_one_process(one_process, zero, layout):
     """dp 2 and 4; FSDP × TP (tp 2 × dp 2); with a pipeline (pp 2 × dp 2, tied embedding over
     the stages): losses, gradient norms and validation losses of every step (F64)."""
@@ -56,9 +59,9 @@ def test_zero3_with_replicated_kv_heads_and_sequence_parallelism(one_process):
 
 
 def test_zero_equals_plain_data_parallel_step_by_step():
-    """The same run at ZeRO 0, 2 and 3 (dp 2): the same numbers to rounding."""
+    """The same run at ZeRO 0, 1, 2 and 3 (dp 2): the same numbers to rounding."""
     base = run((1, 1, 2))[0]
-    for zero in (2, 3):
+    for zero in (1, 2, 3):
         check(run((1, 1, 2), zero=zero)[0], base, f"zero={zero} vs DP", rel=F64)
 
 
@@ -97,30 +100,36 @@ def one_step(level: int, dp: int, prefetch: bool = True, cfg: TrainConfig | None
         "ag_bytes": t.bytes("all_gather"),
         "ag_backward": t.numel("all_gather", phase="backward"),
         "ar": t.numel("all_reduce"),
+        "wire": t.wire_bytes(op="reduce_scatter") + t.wire_bytes(op="all_gather"),
         "loss_after": model(x, y).item(),
     }
 
 
 @pytest.mark.parametrize("dp", [2, 4])
 def test_traffic_and_memory_per_rank_equal_the_formulas(dp):
-    """Elements per step: ZeRO-2 reduce-scatters and all-gathers Ψ (padded to N per buffer):
-    DP's all-reduce of Ψ, in two halves; ZeRO-3 all-gathers the blocks a second time in
-    backward. Memory: gradients and AdamW states are 1/N on every rank, no full gradient
-    survives finish(); ZeRO-3 holds no whole parameter at rest, and at most the root (embeddings,
-    head) and two blocks (the current and the prefetched one) during the step."""
-    z2, z3 = (launch(one_step, dp, level, dp)[0] for level in (2, 3))
-    for z in (z2, z3):
+    """Elements per step: ZeRO-1 and -2 reduce-scatter and all-gather Ψ (padded to N per
+    buffer): DP's all-reduce of Ψ, in two halves, the same bytes on the wire; ZeRO-3
+    all-gathers the blocks a second time in backward. Memory: AdamW states are 1/N on every
+    rank, and the gradients' means (ZeRO-1 keeps the whole local gradients too; with ZeRO-2/3
+    none survives finish()); ZeRO-3 holds no whole parameter at rest, and at most the root
+    (embeddings, head) and two blocks (the current and the prefetched one) during the step."""
+    z1, z2, z3 = (launch(one_step, dp, level, dp)[0] for level in (1, 2, 3))
+    for z in (z1, z2, z3):
         assert z["psi"] <= z["padded"] < z["psi"] + 8 * dp  # ≤ N-1 pad elements per buffer
         assert z["shard"] == z["shard_grads"] == z["padded"] // dp
         assert z["state"] == 2 * z["padded"] // dp  # AdamW: exp_avg, exp_avg_sq
-        assert not z["full_grads"]
+        assert z["full_grads"] == (z is z1)
         assert z["rs"] == z["padded"]
-    assert z2["ag"] == z2["padded"] and z2["ag_backward"] == 0
+    for z in (z1, z2):
+        assert z["ag"] == z["padded"] and z["ag_backward"] == 0
+        # DP's ring all-reduce of the same padded buffers: 2·(N-1)/N of their bytes
+        assert z["wire"] == pytest.approx(2 * (dp - 1) / dp * 8 * z["padded"])
+        assert z["loss_after"] == z2["loss_after"]
     assert z3["ag"] == z3["padded"] + z3["padded_blocks"]
     assert z3["ag_backward"] == z3["padded_blocks"]
     ratio = (z3["rs"] + z3["ag"]) / (z2["rs"] + z2["ag"])
     assert ratio == pytest.approx(1 + z3["padded_blocks"] / (2 * z3["padded"]))
-    assert z2["at_rest"] == 8 * z2["padded"]  # float64: ZeRO-2 keeps whole parameters
+    assert z1["at_rest"] == z2["at_rest"] == 8 * z2["padded"]  # float64: whole parameters
     assert z3["at_rest"] == z3["after_step"] == 0
     assert z3["peak"] == z3["root_bytes"] + 2 * z3["block_bytes"]
 
@@ -133,6 +142,9 @@ def test_checkpoints_move_between_zero_stages(tmp_path):
     for zero, resumes in ((3, [(1, 1, 1, 0), (1, 1, 2, 2)]), (1, [(1, 1, 2, 3)])):
         root = tmp_path / f"zero{zero}"
         run((1, 1, 2), cfg=dataclasses.replace(five, ckpt_dir=str(root), save_every=3), zero=zero)
+        _, index = checkpoint.read_index(root / "step_00000003")
+        files = {s["file"] for k, e in index["tensors"].items() if "/" in k for s in e["shards"]}
+        assert files == {"tp0-pp0-dp0.safetensors", "tp0-pp0-dp1.safetensors"}  # both write
         for *layout, z in resumes:
             cfg = dataclasses.replace(five, resume=str(root / "step_00000003"))
             losses = run(tuple(layout), cfg=cfg, zero=z)[0]["losses"]

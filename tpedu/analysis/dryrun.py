@@ -19,9 +19,9 @@ How (`measure_rank`, the same code on a real process group and on a fake one):
    propagate, nothing is computed.
 3. One training step as `tpedu.train.loop` runs it, in fp32 (train's default --dtype):
    `run_loop` for one step around `step_3d` (the pipeline schedule for this rank's stage, DP
-   bucket all-reduces, tied-embedding and TP gradient fix-ups, the gradient norm, AdamW or
-   ZeRO-1, or with ZeRO-2/3 `make_sharded`'s ShardedDataParallel as both the gradient reducer
-   and the optimizer) and _train_3d's loss all-reduce; with tp only, `train_step`'s calls.
+   bucket all-reduces, tied-embedding and TP gradient fix-ups, the gradient norm, AdamW, or
+   with ZeRO `make_sharded`'s ShardedDataParallel as both the gradient reducer and the
+   optimizer) and _train_3d's loss all-reduce; with tp only, `train_step`'s calls.
    `CommTracer` records every collective; `SavedTensorCounter` every tensor saved for
    backward (keyed by storage identity: meta tensors have no data pointers); the peak is the
    largest sum over the micro-batch forwards the schedule holds at once.
@@ -44,10 +44,10 @@ positions, TP messages hold s/cp positions, and the CP group's traffic is set be
 tpedu.cp.traffic's formulas (the ring's K/V sends or Ulysses' all-to-alls), the loss's mean
 over the whole sequence and the gradients' sum over CP.
 
-ZeRO-2/3: the parameters are views into flat buffers (ZeRO-3 resizes their storage to
+ZeRO-1/2/3: the parameters are views into flat buffers (ZeRO-3 resizes their storage to
 nothing at rest, which works on meta tensors too), so the weights are the whole buffers still
 held after the step plus the fp32 shards AdamW steps; the gradients and AdamW's states are the
-shards'; `peak_gathered` is the most bytes of whole parameters held at once during the step.
+shards' (ZeRO-1 keeps the whole local gradients too); `peak_gathered` is the most bytes of whole parameters held at once during the step.
 
 Then `compare` sets each figure beside its prediction: the memory ledger
 (`tpedu.analysis.memory.ledger`, for pipeline stage 0, at fp32: 4 + 4 + 8 bytes per parameter)
@@ -84,7 +84,6 @@ from tpedu.model.config import GPTConfig
 from tpedu.model.dense import DenseGPT
 from tpedu.model.gpt import TPGPT
 from tpedu.parallel.config import ParallelConfig
-from tpedu.parallel.data_parallel import DataParallel, ZeRO1
 from tpedu.parallel.mesh import Mesh
 from tpedu.parallel.pipeline.runtime import Pipe, build_stage_chunks
 from tpedu.parallel.pipeline.schedules import _parts
@@ -96,9 +95,8 @@ from tpedu.train.loop import (
     clip_grads,
     context_parallel_groups,
     default_micro_batches,
+    make_data_parallel,
     make_optimizer,
-    make_sharded,
-    make_stage_optimizer,
     replica_mean,
     run_loop,
     step_3d,
@@ -152,7 +150,7 @@ class RankFigures:
     gradients: int
     optimizer: int  # AdamW's exp_avg and exp_avg_sq
     optimizer_steps: int  # AdamW's step counters (one scalar per parameter tensor)
-    optimizer_params: int  # parameters this rank's optimizer updates (ZeRO-1: its assignment)
+    optimizer_params: int  # parameters this rank's optimizer updates (ZeRO: its shards)
     optimizer_tensors: int  # ... and their tensors
     activations: int
     in_flight: int
@@ -164,7 +162,7 @@ class RankFigures:
     act_head: int
     act_per_layer: int
     traffic: tuple[Traffic, ...]
-    # ZeRO-2/3: each flat buffer's (parameter elements, shard elements n, model chunk, block
+    # ZeRO: each flat buffer's (parameter elements, shard elements n, model chunk, block
     # index in the chunk or -1 for the chunk's rest), and the most bytes of whole parameters
     # held at once during the step
     flat_buffers: tuple[tuple[int, int, int, int], ...] = ()
@@ -398,14 +396,10 @@ def traffic_summary(tracer: CommTracer) -> tuple[Traffic, ...]:
 
 def _optimizer_state(opt: object, params: Sequence[nn.Parameter]) -> tuple[int, int, int, int]:
     """(bytes of per-parameter states, bytes of the other (step) states) that an AdamW or a
-    ZeRO1 holds, and (parameters, tensors) it is to update: all of `params`, or with ZeRO-1
-    those its assignment (`owner`) gives this rank, or with ZeRO-2/3 its shards (padding
-    included). Sizes from shapes: valid on meta."""
+    ShardedDataParallel holds, and (parameters, tensors) it is to update: all of `params`, or
+    with ZeRO its shards (padding included). Sizes from shapes: valid on meta."""
     if isinstance(opt, ShardedDataParallel):
         inner, owned = opt.inner, opt.shards()
-    elif isinstance(opt, ZeRO1):
-        inner = opt.inner
-        owned = [p for p in params if opt.owner[id(p)] == opt.rank]
     else:
         inner, owned = opt, list(params)
     per_param = other = 0
@@ -463,11 +457,7 @@ def measure_rank(
                 dense, mesh.tp_group, mesh.pp_rank, pp, v, parallel.stage_split, **options
             )
             stage = nn.ModuleList(chunks)
-            if parallel.zero >= 2:  # as _train_3d: one object reduces and steps the shards
-                dpar = opt = make_sharded(chunks, cfg, parallel.zero, mesh)
-            else:
-                dpar = DataParallel(stage, mesh.dp_group) if dp > 1 else None
-                opt = make_stage_optimizer(stage, cfg, parallel.zero, mesh.dp_group)
+            dpar, opt = make_data_parallel(chunks, cfg, parallel.zero, mesh)  # as _train_3d
             b = batch // dp
             acts = pipeline_schedule(parallel.schedule, m, pp, mesh.pp_rank, v)
         micro = b // m
@@ -527,7 +517,7 @@ def measure_rank(
     if isinstance(opt, ShardedDataParallel):
         # The parameters are views into the flat buffers (ZeRO-3: resized to nothing at rest),
         # so their shapes no longer tell the storage: count the whole buffers still held
-        # and the fp32 shards AdamW steps; the full gradients are dropped, the shards' kept.
+        # and the fp32 shards AdamW steps; the shards' gradients, and with ZeRO-1 the whole ones.
         owners = params + opt.shards()
         weights = opt.gathered_bytes() + sum(s.numel() * s.element_size() for s in opt.shards())
         where = {}  # id(module) -> (chunk, block index or -1)
@@ -879,7 +869,7 @@ def _activation_comparison(
 
 
 def _padding_term(fig: RankFigures, dp: int) -> Term | None:
-    """ZeRO-2/3: the elements each flat buffer adds to reach a multiple of N = dp (at most N-1
+    """ZeRO: the elements each flat buffer adds to reach a multiple of N = dp (at most N-1
     per buffer), as a parameter count; None without flat buffers or padding."""
     pad = sum(dp * n - elements for elements, n, *_ in fig.flat_buffers)
     if not pad:
@@ -894,13 +884,13 @@ def _padding_term(fig: RankFigures, dp: int) -> Term | None:
 def _gathered_comparison(
     fig: RankFigures, parallel: ParallelConfig, whole: float, terms: list[Term]
 ) -> Comparison:
-    """The most bytes of whole parameters held at once during the step. ZeRO-2: all of them,
+    """The most bytes of whole parameters held at once during the step. ZeRO-1/2: all of them,
     always (the ledger's undivided weights, `whole`, plus `terms`: the parameter and padding
     terms). ZeRO-3: the ledger counts none; what is held is each chunk's rest (gathered at
     its first forward, kept until the step) and, of the blocks, the one running and the
     neighbour whose all-gather was started early (prefetch), at most two adjacent ones."""
     what = "whole parameters (peak)"
-    if parallel.zero == 2:
+    if parallel.zero < 3:
         return Comparison(what, fig.peak_gathered, whole, "ledger", tuple(terms))
     e, dp = VALUE_BYTES, parallel.dp
     rest = sum(dp * n for _, n, _, block in fig.flat_buffers if block < 0) * e
@@ -935,7 +925,7 @@ def _memory_comparisons(
         ("optimizer states", fig.optimizer + fig.optimizer_steps),
         ("activations (peak)", fig.activations),
     ]
-    if parallel.zero >= 2:
+    if parallel.zero:
         measured.insert(4, ("whole parameters (peak)", fig.peak_gathered))
     if shape is None:
         return [Comparison(w, v, None, "ledger", note=why) for w, v in measured]
@@ -963,38 +953,39 @@ def _memory_comparisons(
     pad = _padding_term(fig, dp)
 
     def scaled(per_param: float, divisor: int) -> list[Term]:
-        """The parameter terms (and ZeRO-2/3's padding) at `per_param` bytes, 1/divisor."""
+        """The parameter terms (and ZeRO's padding) at `per_param` bytes, 1/divisor."""
         terms = params + ([pad] if pad else [])
         return [Term(t.name, t.value * per_param / divisor) for t in terms]
 
     w_div, g_div, o_div = (dp if zero >= k else 1 for k in (3, 2, 1))
     weights = scaled(VALUE_BYTES, w_div)
-    if zero == 2:
-        shard = sum(n for _, n, *_ in fig.flat_buffers)
+    shard = sum(n for _, n, *_ in fig.flat_buffers)
+    if zero in (1, 2):
         weights.append(
             Term(
-                f"ZeRO-2: the fp32 shards AdamW steps ({shard:,} elements), apart from the "
+                f"ZeRO-{zero}: the fp32 shards AdamW steps ({shard:,} elements), apart from the "
                 "whole parameters they are all-gathered into",
                 shard * VALUE_BYTES,
             )
         )
+    if zero == 1:  # the whole local gradients (no padding: per parameter) and the shards' means
+        grads = [Term(t.name, t.value * VALUE_BYTES) for t in params]
+        grads.append(
+            Term(
+                f"ZeRO-1: the DP mean of this rank's shards ({shard:,} elements, shard.grad), "
+                "beside the whole local gradients it keeps",
+                shard * VALUE_BYTES,
+            )
+        )
+    else:
+        grads = scaled(VALUE_BYTES, g_div)
     out = [
         Comparison("parameters", fig.params, led.params, "ledger", tuple(params)),
         Comparison("weights", fig.weights, led.weights, "ledger", tuple(weights)),
-        Comparison(
-            "gradients", fig.gradients, led.gradients, "ledger", tuple(scaled(VALUE_BYTES, g_div))
-        ),
+        Comparison("gradients", fig.gradients, led.gradients, "ledger", tuple(grads)),
     ]
     opt = scaled(ADAMW_BYTES, o_div)
-    if zero == 1:
-        opt.append(
-            Term(
-                f"ZeRO-1 gives whole tensors: this rank owns {fig.optimizer_params:,} of its "
-                f"{fig.params:,} parameters, not 1/{dp}",
-                (fig.optimizer_params - fig.params / dp) * ADAMW_BYTES,
-            )
-        )
-    per = "one per flat buffer's shard" if zero >= 2 else "one per tensor"
+    per = "one per flat buffer's shard" if zero else "one per tensor"
     opt.append(
         Term(
             f"AdamW's step counters: {fig.optimizer_tensors} fp32 scalars ({per})",
@@ -1010,7 +1001,7 @@ def _memory_comparisons(
             tuple(opt),
         )
     )
-    if zero >= 2:
+    if zero:
         out.append(_gathered_comparison(fig, parallel, led.weights, scaled(VALUE_BYTES, 1)))
     if parallel.cp > 1:  # the activations are those of this rank's s/cp positions
         local = dataclasses.replace(shape, seq_len=config.seq_len // parallel.cp)
@@ -1185,11 +1176,11 @@ def _traffic_comparisons(
         Comparison("pp traffic", measured["pp"], vol.pp_sends * msg, "what-if", tuple(pp_terms))
     )
 
-    # DP: one all-reduce of this rank's gradients (buckets); ZeRO-1's broadcasts; ZeRO-2/3's
-    # reduce-scatters and all-gathers (which run over a DP group of 1 too, as train runs them)
+    # DP: one all-reduce of this rank's gradients (buckets), or ZeRO's reduce-scatters and
+    # all-gathers (which run over a DP group of 1 too, as train runs them)
     dp_terms = []
     predicted = vol.dp_bytes if dp > 1 else 0.0
-    if dp > 1 or parallel.zero >= 2:
+    if dp > 1 or parallel.zero:
         dp_terms.append(
             Term(
                 f"this rank's {fig.params:,} parameters, not the what-if's "
@@ -1202,11 +1193,7 @@ def _traffic_comparisons(
                 fig.params * e - predicted,
             )
         )
-    if dp > 1 and parallel.zero == 1:
-        dp_terms.append(
-            Term("ZeRO-1: every parameter broadcast from its owner after the step", fig.params * e)
-        )
-    elif parallel.zero >= 2:
+    if parallel.zero:
         dp_terms += _sharded_traffic_terms(fig, parallel)
     out.append(Comparison("dp traffic", measured["dp"], predicted, "what-if", tuple(dp_terms)))
 
@@ -1230,7 +1217,7 @@ def _traffic_comparisons(
 
 
 def _sharded_traffic_terms(fig: RankFigures, parallel: ParallelConfig) -> list[Term]:
-    """ZeRO-2/3's DP calls beyond one all-reduce of this rank's parameters (which the
+    """ZeRO's DP calls beyond one all-reduce of this rank's parameters (which the
     reduce-scatter of the gradients replaces, the same bytes in): the padding, the parameters'
     all-gathers, the gradient norm's share over DP."""
     dp, m, e = parallel.dp, fig.micro_batches, VALUE_BYTES
@@ -1239,9 +1226,13 @@ def _sharded_traffic_terms(fig: RankFigures, parallel: ParallelConfig) -> list[T
     if pad:
         terms.append(Term(pad.name + " (in the reduce-scatter)", pad.value * e))
     padded = sum(dp * n for _, n, *_ in fig.flat_buffers)
-    if parallel.zero == 2:
+    if parallel.zero < 3:
         terms.append(
-            Term("ZeRO-2: every buffer all-gathered from the new shards after the step", padded * e)
+            Term(
+                f"ZeRO-{parallel.zero}: every buffer all-gathered from the new shards after the "
+                "step",
+                padded * e,
+            )
         )
     else:
         blocks = sum(dp * n for _, n, _, block in fig.flat_buffers if block >= 0)

@@ -1,11 +1,14 @@
 """Lesson 14: sharded, reshardable checkpoints and model directories.
 
-    files    atomic, fsynced writes and whole-directory replacement; CheckpointError
-    sharded  sharded checkpoints: every rank saves what it owns; index, validation, resume
-    convert  model directories (`train --out`, used from lesson 07), resharding, dense and HF export
-    hf       Hugging Face GPT-2 and Llama import into the tensor-parallel GPT (whole or by this
-             rank's slices), and export back; hf_gpt2 / hf_llama name each family's tensors in
-             the one table of hf_map
+    files     atomic, fsynced writes and whole-directory replacement; CheckpointError
+    sharded   sharded checkpoints: every rank saves what it owns; index, validation, resume
+    convert   model directories (`train --out`, used from lesson 07), resharding, dense, HF export
+    hf        Hugging Face GPT-2 and Llama import into the tensor-parallel GPT (whole or by this
+              rank's slices), and export back
+    hf_map    the one table of how Hugging Face tensors make each dense tensor: pack, unpack,
+              HFSlice (one rank's slices read from the safetensors files)
+    hf_gpt2   GPT-2 (GPT2LMHeadModel) in that table: Conv1D weights transposed, fused c_attn
+    hf_llama  Llama (LlamaForCausalLM) in that table: q_proj, k_proj, v_proj stacked into QKV
 
 The split and merge rules the checkpoints use live in tpedu.model.state (re-exported here with the
 public names of files, sharded and convert).

@@ -153,7 +153,7 @@ def reshard(
     src: str | Path, dst: str | Path, tp: int = 1, pp: int = 1, dp: int = 1, zero: int = 0
 ) -> Path:
     """Rewrite checkpoint `src` (a step dir or a root) for layout (tp, pp, dp) and ZeRO stage
-    `zero` under `dst` (on disk only ZeRO-1 differs: its dp ranks' files split AdamW's state).
+    `zero` under `dst` (written as one process: dp rank 0's files hold everything).
 
     Parameters and optimizer state are merged to dense and re-split; step, data position, the
     source's other parallel settings (sequence parallelism, stage split, ...) and the rest of

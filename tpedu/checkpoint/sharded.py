@@ -24,9 +24,10 @@ and sharded by kind, the same rules the model uses to build its shards:
 
 Optimizer state (AdamW's exp_avg, exp_avg_sq, step) is stored as `exp_avg/<name>` etc., sharded
 exactly like its parameter. Data-parallel replicas hold identical copies, so only dp rank 0
-writes parameters; with ZeRO-1 each dp rank writes the optimizer state it owns. On disk, then, a
-checkpoint depends only on (tp, pp): loading at any dp (ZeRO-1 or not) just reads the files,
-and each rank keeps the optimizer state of the parameters its optimizer manages.
+writes parameters; with ZeRO (any stage) the dp ranks share the writing of the optimizer state,
+whole tensors each, about 1/dp of it per rank (`state_writers`). On disk, then, a checkpoint
+depends only on (tp, pp): loading at any dp and ZeRO stage just reads the files, and each rank
+keeps the optimizer state of the parameters its optimizer manages.
 
 "RNG state": tpedu's dropout masks are a hash of (seed, layer, call site, step, element index)
 and batches come from a generator seeded by (seed, step), so after initialisation the training
@@ -90,8 +91,8 @@ LATEST = "latest"
 
 
 def _optimizer_view(opt: object | None) -> tuple[torch.optim.Optimizer | None, set[int]]:
-    """(the torch optimizer holding state, ids of the parameters it updates). A ZeRO-1 wrapper
-    (tpedu.parallel.data_parallel.ZeRO1) manages only its owned parameters, through `.inner`."""
+    """(the torch optimizer holding state, ids of the parameters it updates): `opt` itself, or
+    the `.inner` optimizer of a wrapper that has one."""
     inner = getattr(opt, "inner", opt) if opt is not None else None
     if inner is None:
         return None, set()
@@ -240,7 +241,7 @@ def _header(
 
 
 def layout_entry(parallel: ParallelConfig, config: GPTConfig) -> dict:
-    """The index's "layout", what the files hold: sizes, ZeRO-1, and the layers of each
+    """The index's "layout", what the files hold: sizes, ZeRO stage, and the layers of each
     (virtual) stage; virtual stage c·pp + s is on pp rank s ("chunks" > 1 only with the
     interleaved schedule)."""
     stages = stage_layers(config, parallel.pp * parallel.chunks, parallel.stage_split)
@@ -248,7 +249,7 @@ def layout_entry(parallel: ParallelConfig, config: GPTConfig) -> dict:
         "tp": parallel.tp,
         "pp": parallel.pp,
         "dp": parallel.dp,
-        "zero1": parallel.zero == 1,
+        "zero": parallel.zero,
         **({"chunks": parallel.chunks} if parallel.chunks > 1 else {}),  # absent: 1
         "stages": [[r.start, r.stop] for r in stages],
     }
@@ -268,8 +269,8 @@ def save(
 ) -> Path:
     """Save this step's checkpoint under `root` from every rank of the world. Collective.
 
-    model: this rank's TPGPT (or its pipeline chunks); opt: its AdamW (or a ZeRO-1 wrapper,
-    then parallel.zero = 1) or None; mesh: the tpedu.parallel.mesh.Mesh of a 3D layout (None:
+    model: this rank's TPGPT (or its pipeline chunks); opt: its AdamW over whole tensors (ZeRO's
+    `consolidated()`, as save_if_due passes it) or None; mesh: the tpedu.parallel.mesh.Mesh of a 3D layout (None:
     the world is one TP group); parallel: the run's ParallelConfig, stored in the index (None:
     plain TP over the model's group, its sequence parallelism as built); scaler: the fp16
     LossScaler, whose state the index keeps ("loss_scaler"). Returns root/step_N.
@@ -298,7 +299,6 @@ def save(
             f"chunks={parallel.chunks}, the ranks run tp, pp, dp = {layout} with {len(chunks)} "
             "chunks; pass the ParallelConfig the model was built with"
         )
-    zero1 = parallel.zero == 1  # ZeRO-2/3 save whole tensors (`whole`): written as ZeRO-0's
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     tmp = Path(root) / f".tmp-{step_name(step)}"
     error: BaseException | None = None
@@ -309,7 +309,8 @@ def save(
         error = e
     _agree(error, f"preparing {tmp}")
     try:
-        tensors, kinds = _rank_tensors(chunks, opt, coords, zero1)
+        dp_size = layout[2] if parallel.zero else 1  # how many dp ranks write optimizer state
+        tensors, kinds = _rank_tensors(chunks, opt, coords, dp_size)
         if tensors and getattr(mesh, "cp_rank", 0) == 0:  # CP ranks hold the same shards
             _write_shard(tmp, coords, tensors, kinds)
     except Exception as e:  # noqa: BLE001
@@ -329,26 +330,42 @@ def save(
 
 
 def _rank_tensors(
-    chunks: list[TPGPT], opt: object | None, coords: tuple[int, int, int], zero1: bool
+    chunks: list[TPGPT], opt: object | None, coords: tuple[int, int, int], dp_size: int
 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """What this rank writes: its parameters (dp rank 0 only; replicated ones by tp rank 0 only)
-    and the optimizer state it holds (every dp rank with ZeRO-1, else dp rank 0)."""
+    and the optimizer state `state_writers` gives its dp rank of `dp_size` (1: dp rank 0 all)."""
     tp_rank, _, dp_rank = coords
     inner, managed = _optimizer_view(opt)
     tensors: dict[str, torch.Tensor] = {}
     kinds: dict[str, str] = {}
-    for e in shard_map(chunks):
+    entries = [
+        e
+        for e in shard_map(chunks)
+        if not (e.tied_copy or (e.stored_kind == "replicated" and tp_rank))
+    ]
+    writers = state_writers([e.param.numel() for e in entries], dp_size)
+    for e, writer in zip(entries, writers, strict=True):
         name, p, kind = e.name, e.param, e.stored_kind
-        if e.tied_copy or (kind == "replicated" and tp_rank):
-            continue
         if dp_rank == 0:
             tensors[name], kinds[name] = p.detach(), kind
-        if inner is not None and id(p) in managed and (zero1 or dp_rank == 0):
+        if inner is not None and id(p) in managed and writer == dp_rank:
             for key, value in inner.state.get(p, {}).items():
                 if torch.is_tensor(value) and (value.dim() or not tp_rank):  # scalars once
                     k = f"{key}/{name}"
                     tensors[k], kinds[k] = value.detach(), kind if value.dim() else "replicated"
     return tensors, kinds
+
+
+def state_writers(numels: Sequence[int], n: int) -> list[int]:
+    """Which of n dp ranks writes each tensor's optimizer state: largest first, each to the
+    rank with the fewest elements so far (ties keep the order), so every rank writes about 1/n.
+    numels [5, 3, 3, 1], n 2 -> [0, 1, 1, 0]."""
+    load = [0] * n
+    writer = [0] * len(numels)
+    for i in sorted(range(len(numels)), key=lambda i: -numels[i]):  # stable: ties keep order
+        writer[i] = min(range(n), key=lambda r: load[r])
+        load[writer[i]] += numels[i]
+    return writer
 
 
 def resolve(path: str | Path) -> Path:
@@ -422,7 +439,7 @@ def read_parallel(path: str | Path) -> ParallelConfig:
         lay["dp"],
         chunks=lay.get("chunks", 1),
         schedule="interleaved" if lay.get("chunks", 1) > 1 else "1f1b",
-        zero=int(bool(lay.get("zero1"))),
+        zero=lay.get("zero", int(bool(lay.get("zero1")))),  # tpedu 0.1 wrote "zero1"
         **legacy,
     )
 
@@ -668,9 +685,10 @@ def summary(path: str | Path) -> str:
     """A short human-readable description of a checkpoint: layout, step, files, tensors."""
     step_dir, index = read_index(path)
     lay = index["layout"]
+    zero = lay.get("zero", int(bool(lay.get("zero1"))))  # tpedu 0.1 wrote "zero1"
     lines = [
         f"{step_dir}: step {index['step']}, tp={lay['tp']} pp={lay['pp']} dp={lay['dp']}"
-        f"{' zero1' if lay.get('zero1') else ''}, {len(index['files'])} shard files, "
+        f"{f' zero={zero}' if zero else ''}, {len(index['files'])} shard files, "
         f"{len(index['tensors'])} tensors"
     ]
     for f, info in index["files"].items():

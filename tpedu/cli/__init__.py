@@ -2,5 +2,6 @@
 
 - tpedu.cli.parser: `build_parser()`, every subcommand and flag
 - tpedu.cli.checks: the one-line errors (exit code 2) raised before any rank starts
-- tpedu.cli.commands: hello, commbench (lesson 02), train, generate (07, 12), reshard (13), `main`
+- tpedu.cli.commands: hello, commbench (lesson 02), train (07; 11–14 with --pp, --dp and
+  checkpoints), generate (07), dryrun (13), reshard (14), `main`
 """

@@ -7,5 +7,5 @@
     ring         a ring all-reduce written with send/recv only (NCCL's ring algorithm)
 
 Every tensor-parallel module communicates through tpedu.comm.collectives, so a CommTracer sees
-every byte; lessons 03-15 count their communication with it.
+every byte; lessons 03–17 count their communication with it.
 """

@@ -1,8 +1,13 @@
-"""Course infrastructure: the exercise grader, and lesson 16's bug zoo and troubleshooting tools.
+"""Course infrastructure: grader, figures, GPU checks; lesson 16's bug hunt, lesson 18's capstone.
 
-    grading       the exercise grader behind `make grade`: exercises/ or solutions/ (every lesson)
-    bugzoo        real TP bugs as broken variants, each with the check that catches it (lesson 16)
-    troubleshoot  gradient comparison between layouts, debug settings, numerics (lesson 16)
+    grading         the exercise grader behind `make grade`: exercises/ or solutions/ (every lesson)
+    figures_basics  figures for lessons 02–06, drawn from what the code records in a run
+    figures_model   figures for lessons 07 and 11: a step's collectives, activations held per stage
+    gpu_check       the GPU checks, `make gpu-check`: what the CPU test suite cannot show
+    bugzoo          real TP bugs as broken variants, each with the check that catches it (lesson 16)
+    hunt            the blind bug hunt: zoo bugs applied unnamed, the fixes graded (lesson 16)
+    troubleshoot    gradient comparison between layouts, debug settings, numerics (lesson 16)
+    capstone        the capstone's budget, and its checks on the files a run leaves (lesson 18)
 
 Tests never import exercises/ or solutions/ directly: they call `grading.implementation(name)`.
 """

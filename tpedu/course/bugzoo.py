@@ -296,9 +296,9 @@ def check_cp_step() -> tuple[bool, str]:
     )
 
 
-def _finish_grads_summed(self: zero.FlatBuffer) -> None:
+def _finish_grads_summed(self: zero.FlatBuffer, drop: bool = True) -> None:
     if self.grad_work is None:
-        self.reduce_grads()
+        self.reduce_grads(drop)
     self.grad_work.wait()
     self.shard.grad = self.grad_out.to(self.shard.dtype)  # BUG: the sum over N ranks, not the mean
     self.ready, self.grad_out, self.grad_work = 0, None, None
@@ -309,7 +309,7 @@ def _step_per_group(self: zero.ShardedDataParallel) -> None:
     for _group in self.param_groups:
         self.inner.step()  # BUG: inside the loop over the 2 groups: every shard updated twice
     for b in self.buffers:
-        if self.level == 2:
+        if self.level < 3:
             b.write_params()
         else:
             b.free()

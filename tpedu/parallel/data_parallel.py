@@ -2,7 +2,9 @@
 the batch, and the gradients are averaged before the optimizer step.
 
     DataParallel(model, group)   gradient all-reduce in buckets, launched from backward hooks
-    ZeRO1(param_groups, group)   optimizer states sharded over the DP ranks (ZeRO stage 1)
+
+(ZeRO, which shards the optimizer states, gradients and parameters over the DP ranks, is
+tpedu.parallel.zero.)
 
 Buckets: parameters are grouped in reverse registration order (roughly the order backward
 produces their gradients) into buckets of about `bucket_numel` elements. A hook registered with
@@ -73,7 +75,7 @@ class _Bucket:
 
 
 class GradientSync:
-    """What DataParallel and ZeRO-2/3 (tpedu.parallel.zero) share: `sync`, whether their
+    """What DataParallel and ZeRO (tpedu.parallel.zero) share: `sync`, whether their
     backward hooks reduce now, and `no_sync()` for the micro-batches that only accumulate."""
 
     sync = True
@@ -167,81 +169,6 @@ class DataParallel(GradientSync):
         self.launched = []
         if self.events is not None:
             self.events.append(("finished", time.perf_counter()))
-
-
-class ZeRO1:
-    """ZeRO stage 1: each DP rank keeps optimizer states only for the parameters it owns.
-
-    Parameters are assigned whole, greedily (largest first, to the least-loaded rank), so each
-    rank's optimizer states are about 1/N of the total. Every rank still holds full averaged
-    gradients (DataParallel); `step()` updates the owned parameters, then each owner broadcasts
-    its parameters (one flattened broadcast per DP rank) so all replicas are identical again.
-    The update of a parameter is the same arithmetic as with an unsharded optimizer: ZeRO-1
-    matches plain DP bit for bit.
-    """
-
-    def __init__(
-        self,
-        param_groups: Iterable[dict],
-        group: dist.ProcessGroup | None = None,
-        optimizer: type[torch.optim.Optimizer] = torch.optim.AdamW,
-        **defaults: object,
-    ) -> None:
-        self.group = group
-        self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        self.ranks = dist.get_process_group_ranks(group) if group is not None else None
-        groups = [dict(g, params=list(g["params"])) for g in param_groups]
-        every = [p for g in groups for p in g["params"]]
-        load = [0] * self.size
-        self.owner: dict[int, int] = {}
-        for p in sorted(every, key=lambda q: -q.numel()):  # stable: ties keep model order
-            r = min(range(self.size), key=lambda i: load[i])
-            self.owner[id(p)] = r
-            load[r] += p.numel()
-        self.params = every
-        owned = [
-            dict(g, params=[p for p in g["params"] if self.owner[id(p)] == self.rank])
-            for g in groups
-        ]
-        owned = [g for g in owned if g["params"]]
-        self.inner = optimizer(owned, **defaults) if owned else None
-        # lr schedules set g["lr"] on these; a rank without parameters keeps plain dicts
-        self.param_groups = self.inner.param_groups if self.inner else [dict(defaults)]
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for p in self.params:
-            if set_to_none:
-                p.grad = None
-            elif p.grad is not None:
-                p.grad.zero_()
-
-    @torch.no_grad()
-    def step(self) -> None:
-        """Update the owned parameters, then broadcast every rank's parameters from it."""
-        if self.inner is not None:
-            self.inner.step()
-        for r in range(self.size):
-            mine = [p for p in self.params if self.owner[id(p)] == r]
-            if not mine or self.size == 1:
-                continue
-            flat = torch.cat([p.reshape(-1) for p in mine])
-            src = self.ranks[r] if self.ranks is not None else r
-            collectives.broadcast(flat, src, self.group)
-            offset = 0
-            for p in mine:
-                p.copy_(flat[offset : offset + p.numel()].view_as(p))
-                offset += p.numel()
-
-    def state_numel(self) -> int:
-        """Elements of optimizer state held by this rank (AdamW: 2 per owned parameter)."""
-        if self.inner is None:
-            return 0
-        return sum(
-            v.numel()
-            for s in self.inner.state.values()
-            for v in s.values()
-            if torch.is_tensor(v) and v.dim() > 0
-        )
 
 
 def all_reduce_grads(params: Iterable[nn.Parameter], group: dist.ProcessGroup | None = None) -> int:

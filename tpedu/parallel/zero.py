@@ -1,6 +1,8 @@
-"""Lesson 12: ZeRO-2 and ZeRO-3 (FSDP): the gradients, then the parameters too, sharded over DP.
+"""Lesson 12: ZeRO-1, -2 and -3 (FSDP): the optimizer states, the gradients, then the parameters
+sharded over DP.
 
-    ShardedDataParallel(chunks, group, level=2)   ZeRO-2: gradients and AdamW states sharded
+    ShardedDataParallel(chunks, group, level=1)   ZeRO-1: AdamW states sharded
+    ShardedDataParallel(chunks, group, level=2)   ZeRO-2: the gradients as well
     ShardedDataParallel(chunks, group, level=3)   ZeRO-3 / FSDP: the parameters as well
 
 It is both the gradient reducer (like DataParallel: `no_sync()`, `finish()`) and the optimizer
@@ -10,13 +12,15 @@ Flat buffers. The parameters of a *unit* (one transformer block, or the rest of 
 embeddings, final norm, head) lie end to end in one flat buffer padded to a multiple of N, the
 DP size; DP rank r owns elements [r·n, (r+1)·n), n = padded / N, as an fp32 `shard`. Matrices
 and vectors get separate buffers, so AdamW's weight decay applies to whole shards. Every
-parameter is a view into its buffer: one all-gather into the buffer updates (ZeRO-2) or
+parameter is a view into its buffer: one all-gather into the buffer updates (ZeRO-1/2) or
 restores (ZeRO-3) all of the unit's parameters at once.
 
 Per step:
-  ZeRO-2  backward: as a buffer's gradients complete, an async reduce-scatter hands each owner
-          the sum of its elements (then /N into shard.grad) and the full gradients are dropped.
+  ZeRO-1  backward: as a buffer's gradients complete, an async reduce-scatter hands each owner
+          the sum of its elements (then /N into shard.grad); the full gradients stay, as
+          Megatron-LM's distributed optimizer keeps its whole gradient buffer.
           step(): AdamW on the shards, then one all-gather per buffer refreshes every replica.
+  ZeRO-2  the same, but the full gradients are dropped once reduce-scattered.
   ZeRO-3  at rest a block keeps only its shard (the buffer's storage is resized to 0; autograd's
           saved views of it stay valid and see the data again once it is re-gathered). Before a
           block's forward its buffers are all-gathered (and the next block's all-gather is
@@ -24,9 +28,10 @@ Per step:
           (prefetching the block before it), after it reduce-scattered as in ZeRO-2 and freed.
           The rest-unit stays gathered from the chunk's forward to the step, as FSDP2 keeps its
           root module: the head's backward comes straight after its forward.
-Elements sent per rank per step (ring, Ψ parameters): ZeRO-2 a reduce-scatter and an all-gather
-of Ψ, (N-1)/N each: DP's all-reduce, 2·(N-1)/N·Ψ. ZeRO-3 adds the blocks' second all-gather:
-(N-1)/N·(2Ψ + Ψ_blocks), 1.5× DP when the blocks hold nearly all parameters.
+Elements sent per rank per step (ring, Ψ parameters): ZeRO-1/2 a reduce-scatter and an
+all-gather of Ψ, (N-1)/N each: DP's all-reduce, 2·(N-1)/N·Ψ, which is itself a reduce-scatter
+and an all-gather. ZeRO-3 adds the blocks' second all-gather: (N-1)/N·(2Ψ + Ψ_blocks), 1.5× DP
+when the blocks hold nearly all parameters.
 
 Gradient fix-ups (TP's replicated-parameter sums, the tied embedding's) run over other groups
 and need the full gradient, so the parameters they touch (`defer`) are reduce-scattered only in
@@ -47,7 +52,7 @@ from torch import nn
 from tpedu.comm import collectives
 from tpedu.parallel.data_parallel import GradientSync
 
-LEVELS = (2, 3)
+LEVELS = (1, 2, 3)
 
 
 class FlatBuffer:
@@ -150,8 +155,9 @@ class FlatBuffer:
         self.gathered = False
 
     # Gradients: full per-parameter .grad -> this rank's summed shard.
-    def reduce_grads(self) -> None:
-        """Start the async reduce-scatter of the parameters' gradients; drops .grad."""
+    def reduce_grads(self, drop: bool = True) -> None:
+        """Start the async reduce-scatter of the parameters' gradients; drops .grad (ZeRO-2/3)
+        or keeps it (ZeRO-1, drop=False)."""
         flat = self.flat(
             [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         )
@@ -161,13 +167,14 @@ class FlatBuffer:
         self.grad_work = collectives.reduce_scatter_into(
             self.grad_out, flat, self.group, async_op=True
         )
-        for p in self.params:
-            p.grad = None
+        if drop:
+            for p in self.params:
+                p.grad = None
 
-    def finish_grads(self) -> None:
+    def finish_grads(self, drop: bool = True) -> None:
         """Wait for the reduce-scatter; shard.grad = the mean over the DP ranks."""
         if self.grad_work is None:
-            self.reduce_grads()
+            self.reduce_grads(drop)
         self.grad_work.wait()
         self.shard.grad = self.grad_out.to(self.shard.dtype) / self.size
         self.ready, self.grad_out, self.grad_work = 0, None, None
@@ -216,7 +223,7 @@ class _Unit:
 
 
 class ShardedDataParallel(GradientSync):
-    """ZeRO-2 or ZeRO-3 over the DP `group` for this rank's TPGPT chunks.
+    """ZeRO-1, -2 or -3 over the DP `group` for this rank's TPGPT chunks.
 
     Per step: forward/backward (micro-batches inside `no_sync()` except the last), the caller's
     gradient fix-ups on `defer`'s parameters, `finish()`, clipping with `squared_grad_sum()`,
@@ -314,7 +321,7 @@ class ShardedDataParallel(GradientSync):
                 return
             buf.ready += 1
             if buf.ready == len(buf.params):
-                buf.reduce_grads()
+                buf.reduce_grads(drop=self.level >= 2)
 
         return hook
 
@@ -364,7 +371,7 @@ class ShardedDataParallel(GradientSync):
         """Reduce-scatter what backward did not (deferred, unused), wait for everything: every
         shard.grad is then the DP mean of its elements."""
         for b in self.buffers:
-            b.finish_grads()
+            b.finish_grads(drop=self.level >= 2)
         for u in self.units:  # a block with an unused parameter never counted to the end
             u.ready = 0
 
@@ -397,11 +404,11 @@ class ShardedDataParallel(GradientSync):
 
     @torch.no_grad()
     def step(self) -> None:
-        """AdamW on the shards; ZeRO-2: all-gather the new parameters into every replica;
+        """AdamW on the shards; ZeRO-1/2: all-gather the new parameters into every replica;
         ZeRO-3: drop the rest-units' stale full copies (the next forward gathers them)."""
         self.inner.step()
         for b in self.buffers:
-            if self.level == 2:
+            if self.level < 3:
                 b.write_params()
             else:
                 b.free()

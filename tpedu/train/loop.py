@@ -2,7 +2,7 @@
 
 `train(config, cfg, ..., parallel=ParallelConfig(...))` runs on every rank (launched by
 `tpedu.launch`, the CLI, or torchrun). Plain tensor parallelism (`parallel.tp_only`) runs a
-model of the whole depth on every rank; anything else (pipeline, DP replicas, ZeRO-1,
+model of the whole depth on every rank; anything else (pipeline, DP replicas, ZeRO,
 micro-batches) runs the 3D step, `step_3d`. Both go through the one loop, `run_loop`. Every
 rank builds only its shards of the dense model the seed initialises (tpedu.model.sharded_init:
 the same values as building the dense model and sharding it, without its memory), draws the
@@ -36,7 +36,7 @@ from tpedu.model.dense import DenseGPT
 from tpedu.model.gpt import TPGPT
 from tpedu.model.sharded_init import build_sharded
 from tpedu.parallel.config import ParallelConfig
-from tpedu.parallel.data_parallel import DataParallel, ZeRO1
+from tpedu.parallel.data_parallel import DataParallel
 from tpedu.parallel.mesh import Mesh
 from tpedu.parallel.pipeline.runtime import (
     Pipe,
@@ -150,7 +150,7 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Adam
 def make_sharded(
     chunks: Sequence[TPGPT], cfg: TrainConfig, level: int, mesh: Mesh
 ) -> ShardedDataParallel:
-    """ZeRO-2/3 over the DP group for this rank's chunks: AdamW as make_optimizer's; the
+    """ZeRO-1/2/3 over the DP group for this rank's chunks: AdamW as make_optimizer's; the
     gradients TP and the tied embedding fix up are reduce-scattered after the fix-ups; the
     gradient norm weighs each element as TPGPT.squared_grad_sum does (a tied head's second copy
     left out, as grad_norm_3d leaves it)."""
@@ -176,20 +176,19 @@ def make_sharded(
     )
 
 
-def make_stage_optimizer(
-    stage: torch.nn.Module, cfg: TrainConfig, zero: int, dp_group: dist.ProcessGroup | None
-) -> torch.optim.Optimizer | ZeRO1:
-    """A 3D rank's optimizer: make_optimizer's AdamW, or (zero = 1) its ZeRO-1 wrapper over the
-    DP group with the same parameter groups."""
-    if not zero:
-        return make_optimizer(stage, cfg)
-    groups = make_optimizer(stage, cfg).param_groups
-    return ZeRO1(
-        [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in groups],
-        dp_group,
-        lr=cfg.lr,
-        betas=(0.9, 0.95),
-    )
+def make_data_parallel(
+    chunks: Sequence[TPGPT], cfg: TrainConfig, zero: int, mesh: Mesh
+) -> tuple[DataParallel | ShardedDataParallel | None, torch.optim.Optimizer | ShardedDataParallel]:
+    """A 3D rank's gradient reducer over its DP group and its optimizer: with ZeRO (zero ≥ 1)
+    one ShardedDataParallel is both; without, DataParallel's bucketed all-reduce (None at
+    dp 1) and make_optimizer's AdamW over all of this rank's chunks."""
+    if zero:
+        sharded = make_sharded(chunks, cfg, zero, mesh)
+        return sharded, sharded
+    stage = torch.nn.ModuleList(chunks)
+    low = DTYPES[cfg.dtype] if cfg.grad_reduce == "low" else None
+    dpar = DataParallel(stage, mesh.dp_group, reduce_dtype=low) if mesh.layout.dp > 1 else None
+    return dpar, make_optimizer(stage, cfg)
 
 
 @torch.no_grad()
@@ -462,8 +461,9 @@ def step_3d(
     chunks: this rank's TPGPT chunks (one, or several with the interleaved schedule); xs, ys:
     this replica's micro-batches (the first / last stage use them); acts: the pipeline
     schedule's actions. Communication, in order: the pipeline's sends and receives, DP bucket
-    all-reduces during the last micro-batch's backward (`dpar`), the tied-embedding all-reduce
-    (first + last stage), the TP gradient fix-ups, 2 all-reduces for the global gradient norm.
+    all-reduces during the last micro-batch's backward (`dpar`; with ZeRO reduce-scatters, the
+    fix-ups' after them), the tied-embedding all-reduce (first + last stage), the TP gradient
+    fix-ups, 2 all-reduces for the global gradient norm (3 with ZeRO).
     `precision` / `scaler`: as train_step's (an fp16 overflow skips the step: norm = inf).
     """
     opt.zero_grad(set_to_none=True)
@@ -479,7 +479,7 @@ def step_3d(
     sync_tied_grads(chunks, mesh.emb_group)
     for chunk in chunks:
         chunk.sync_grads()
-    if sharded:  # ZeRO-2/3 drop full gradients once reduce-scattered: fix-ups come first
+    if sharded:  # ZeRO reduce-scatters what the fix-ups have summed: they come first
         dpar.finish()
         grads = dpar.shards()
     else:
@@ -509,7 +509,8 @@ def _train_3d(
     model chunks per rank), and every TP/PP rank of a replica sees the same data. Per step: the
     pipeline's point-to-point sends, bucketed DP all-reduces during the last micro-batch's
     backward, the tied-embedding all-reduce (first + last stage), 2 all-reduces for the gradient
-    norm, and with ZeRO-1 one broadcast per DP rank after the optimizer step.
+    norm; with ZeRO (`parallel.zero`), reduce-scatters in their place and all-gathers of the
+    parameters (tpedu.parallel.zero).
     Dropout masks depend on a tensor's batch position, so with dropout > 0 micro-batching
     changes them: the step-by-step match with one process holds for dropout = 0.
     """
@@ -536,13 +537,8 @@ def _train_3d(
     models = build_sharded(config, mesh.tp_group, mine, cfg.seed, **options)
     chunks = [c.to(device()) for c in models]  # this rank's model chunks
     stage = torch.nn.ModuleList(chunks)  # all of this rank's parameters
-    low = DTYPES[cfg.dtype] if cfg.grad_reduce == "low" else None
     scaler = make_scaler(cfg.dtype, cfg.loss_scale, cfg.loss_scale_window)
-    if zero >= 2:  # one object reduces the gradients and steps the shards
-        dpar = opt = make_sharded(chunks, cfg, zero, mesh)
-    else:
-        dpar = DataParallel(stage, mesh.dp_group, reduce_dtype=low) if dp > 1 else None
-        opt = make_stage_optimizer(stage, cfg, zero, mesh.dp_group)
+    dpar, opt = make_data_parallel(chunks, cfg, zero, mesh)
     first = resume_from(cfg, chunks, opt, scaler)  # 0 unless cfg.resume
     pipe = Pipe.from_mesh(mesh)
     seq = config.seq_len // (tp if parallel.sequence_parallel else parallel.cp)
@@ -611,7 +607,6 @@ def _train_3d(
         dp=dp,
         cp=parallel.cp,
         micro_batches=m,
-        zero1=zero == 1,
         zero=zero,
         schedule=kind,
         chunks=v,
@@ -620,7 +615,7 @@ def _train_3d(
     if scaler is not None:
         summary["loss_scale"] = scaler.state_dict()
     if out is not None:
-        with opt.gathered() if zero >= 2 else contextlib.nullcontext():
+        with opt.gathered() if zero else contextlib.nullcontext():
             state = gather_pipeline_state(chunks, mesh, parallel.stage_split)
         _write_dense(state, config, cfg, out, tok)
     return summary
