@@ -165,8 +165,12 @@ def test_calculator_wires_widgets_to_ledger(capsys):
     calls = []
     box = memory_calculator(on_measure=lambda cfg, st: calls.append((cfg, st)) or "measured")
     calc = box.calculator
+    assert calc.params_b.value == round(calc.config().n_params / 1e9, 2)  # the shape's size
     calc.params_b.value = 7.0  # typing a size sets the layer count
     assert calc.layers.value == ModelShape().with_params(7e9).n_layers
+    calc.layers.value = 2  # and the box follows the layers (and every other shape control)
+    assert calc.params_b.value == round(calc.config().n_params / 1e9, 2)
+    assert calc.layers.value == 2
     calc.tp.value, calc.sp.value, calc.zero1.value, calc.dp.value = 4, True, True, 2
     assert calc.ledger() == ledger(calc.config(), tp=4, dp=2, sp=True, zero1=True)
     calc.widget.children[2].click()  # the "measure" hook

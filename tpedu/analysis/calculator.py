@@ -71,8 +71,14 @@ class MemoryCalculator:
         w = widgets
         shape, settings = DEFAULT_SHAPE, DEFAULT_SETTINGS
         self.params_b = w.BoundedFloatText(
-            value=3.5, min=0.01, max=2000, step=0.5, description="params (B)", style=style
+            value=round(shape.n_params / 1e9, 2),
+            min=0.01,
+            max=2000,
+            step=0.5,
+            description="params (B)",
+            style=style,
         )
+        self.syncing = False  # update() writing the count back into params_b
         self.layers = w.IntSlider(
             value=shape.n_layers, min=1, max=160, description="layers", style=style
         )
@@ -158,6 +164,8 @@ class MemoryCalculator:
 
     def _from_params(self, change: dict) -> None:
         """Typing a parameter count sets the layer count (the slider then triggers update)."""
+        if self.syncing:
+            return
         layers = self.config().with_params(change["new"] * 1e9).n_layers
         self.layers.max = max(self.layers.max, layers)
         self.layers.value = layers
@@ -165,6 +173,11 @@ class MemoryCalculator:
     def update(self) -> None:
         config = self.config()
         self.info.value = f"<b>{config.n_params / 1e9:.3f}B</b> parameters"
+        self.syncing = True  # the box shows the shape's count, whichever control changed it
+        try:
+            self.params_b.value = round(config.n_params / 1e9, 2)
+        finally:
+            self.syncing = False
         self.out.clear_output(wait=True)
         with self.out:
             show_ledger(config, self.settings(), self.gpu_gb.value)
