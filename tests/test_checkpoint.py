@@ -90,7 +90,7 @@ def test_split_matches_the_model_and_merge_inverts_it():
 # --------------------------------------------------------------------------------- the grid
 
 # (tp, pp, dp, zero1), ≤ 4 ranks each: plain DP (replicas write nothing) and DP with ZeRO-1
-# (every dp rank writes the optimizer state it owns).
+# (the dp ranks share the writing: each tensor and its optimizer state once).
 GRID = [
     (1, 1, 1, False),
     (2, 1, 1, False),
@@ -160,18 +160,16 @@ def test_loaded_tensors_are_bit_identical_after_offline_reshard(grid, tmp_path):
             assert torch.equal(got[k], src[k]), f"({tp}, {pp}) {k}"
 
 
-def test_zero1_spreads_optimizer_state_over_dp_ranks(grid):
+def test_zero1_spreads_the_writing_over_dp_ranks(grid):
     root, _ = grid
     step_dir, index = checkpoint.read_index(root / f"src{GRID[5]}")  # (2, 1, 2) ZeRO-1
-    files = {
-        s["file"]
-        for k, e in index["tensors"].items()
-        if k.startswith("exp_avg/")
-        for s in e["shards"]
-    }
-    assert files == {f"tp{t}-pp0-dp{d}.safetensors" for t in (0, 1) for d in (0, 1)}
-    params = {s["file"] for k, e in index["tensors"].items() if "/" not in k for s in e["shards"]}
-    assert params == {"tp0-pp0-dp0.safetensors", "tp1-pp0-dp0.safetensors"}  # replicas: once
+    every = {f"tp{t}-pp0-dp{d}.safetensors" for t in (0, 1) for d in (0, 1)}
+    for prefix in ("exp_avg/", ""):  # optimizer state, parameters
+        wanted = [e for k, e in index["tensors"].items() if ("/" in k) == bool(prefix)]
+        assert {s["file"] for e in wanted for s in e["shards"]} == every, prefix
+    for key, e in index["tensors"].items():  # each tensor's shards once: replicas write nothing
+        files = [s["file"] for s in e["shards"]]
+        assert len(files) == len(set(files)) == (1 if e["kind"] == "replicated" else 2), key
     _, plain = checkpoint.read_index(root / f"src{GRID[4]}")  # (1, 1, 2) without ZeRO
     assert set(plain["files"]) == {"tp0-pp0-dp0.safetensors"}  # dp rank 1 writes nothing
     assert index["tokens_seen"] == 2 * CFG.batch * CONFIG.seq_len and index["step"] == 2

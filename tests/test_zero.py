@@ -145,6 +145,8 @@ def test_checkpoints_move_between_zero_stages(tmp_path):
         _, index = checkpoint.read_index(root / "step_00000003")
         files = {s["file"] for k, e in index["tensors"].items() if "/" in k for s in e["shards"]}
         assert files == {"tp0-pp0-dp0.safetensors", "tp0-pp0-dp1.safetensors"}  # both write
+        sizes = [f["bytes"] for f in index["files"].values()]
+        assert max(sizes) < 0.6 * sum(sizes), sizes  # about half each
         for *layout, z in resumes:
             cfg = dataclasses.replace(five, resume=str(root / "step_00000003"))
             losses = run(tuple(layout), cfg=cfg, zero=z)[0]["losses"]
@@ -222,3 +224,32 @@ def test_low_precision_parameter_gathers(one_process):
     for a, b in zip(runs["low"]["history"], runs["fp32"]["history"], strict=True):
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=2 * u)
     assert runs["low"]["losses"] != runs["fp32"]["losses"]  # the gathers did round
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_low_precision_gathers_save_the_fp32_masters(tmp_path, zero):
+    """bf16 with `param_gather="low"` (dp 2): a checkpoint and the trained model directory hold
+    the fp32 shards AdamW steps, not the replicas' bf16-rounded parameters. So a run resumed at
+    step 3 goes on exactly as the one that never stopped, and the model written at the end is
+    the last checkpoint's, bit for bit (fp32 runs: bf16 autocast and gathers)."""
+    from safetensors.torch import load_file
+
+    tr, va = data()
+    five = dataclasses.replace(CFG, steps=5, eval_every=5, dtype="bf16", param_gather="low")
+    par = ParallelConfig(dp=2, zero=zero)
+
+    def go(cfg, out=None):
+        return launch(train, 2, CONFIG, cfg, tr, va, out, parallel=par)[0]["losses"]
+
+    straight = go(five)
+    root = tmp_path / "ckpt"
+    assert (
+        go(dataclasses.replace(five, ckpt_dir=str(root), save_every=3), tmp_path / "out")
+        == straight
+    )
+    assert go(dataclasses.replace(five, resume=str(root / "step_00000003"))) == straight[3:]
+    _, saved, _ = checkpoint.read_dense(root / "step_00000005")
+    model = load_file(tmp_path / "out" / "model.safetensors")
+    assert model.keys() <= saved.keys()
+    for k, v in model.items():
+        assert torch.equal(v, saved[k].to(v.dtype)), k

@@ -24,8 +24,9 @@ and sharded by kind, the same rules the model uses to build its shards:
 
 Optimizer state (AdamW's exp_avg, exp_avg_sq, step) is stored as `exp_avg/<name>` etc., sharded
 exactly like its parameter. Data-parallel replicas hold identical copies, so only dp rank 0
-writes parameters; with ZeRO (any stage) the dp ranks share the writing of the optimizer state,
-whole tensors each, about 1/dp of it per rank (`state_writers`). On disk, then, a checkpoint
+writes them; with ZeRO (any stage) the dp ranks share the writing, whole tensors each with their
+optimizer state, about 1/dp per rank (`state_writers`), gathered from the shards one flat buffer
+at a time, and each rank loads only its shards' elements: no rank ever holds the whole stage. On disk, then, a checkpoint
 depends only on (tp, pp): loading at any dp and ZeRO stage just reads the files, and each rank
 keeps the optimizer state of the parameters its optimizer manages.
 
@@ -53,7 +54,7 @@ import json
 import os
 import shutil
 from collections.abc import Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import asdict, fields, is_dataclass
 from pathlib import Path
@@ -269,8 +270,8 @@ def save(
 ) -> Path:
     """Save this step's checkpoint under `root` from every rank of the world. Collective.
 
-    model: this rank's TPGPT (or its pipeline chunks); opt: its AdamW over whole tensors (ZeRO's
-    `consolidated()`, as save_if_due passes it) or None; mesh: the tpedu.parallel.mesh.Mesh of a 3D layout (None:
+    model: this rank's TPGPT (or its pipeline chunks); opt: its AdamW, its ShardedDataParallel
+    (ZeRO) or None; mesh: the tpedu.parallel.mesh.Mesh of a 3D layout (None:
     the world is one TP group); parallel: the run's ParallelConfig, stored in the index (None:
     plain TP over the model's group, its sequence parallelism as built); scaler: the fp16
     LossScaler, whose state the index keeps ("loss_scaler"). Returns root/step_N.
@@ -332,32 +333,45 @@ def save(
 def _rank_tensors(
     chunks: list[TPGPT], opt: object | None, coords: tuple[int, int, int], dp_size: int
 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """What this rank writes: its parameters (dp rank 0 only; replicated ones by tp rank 0 only)
-    and the optimizer state `state_writers` gives its dp rank of `dp_size` (1: dp rank 0 all)."""
+    """What this rank writes: the tensors `state_writers` gives its dp rank of `dp_size` (1, no
+    ZeRO: dp rank 0 writes them all), each with the optimizer state it holds; replicated ones
+    by tp rank 0 only. ZeRO (an `opt` with `whole_tensors`) hands them over whole from its
+    shards, one buffer at a time: collective over DP."""
     tp_rank, _, dp_rank = coords
-    inner, managed = _optimizer_view(opt)
-    tensors: dict[str, torch.Tensor] = {}
-    kinds: dict[str, str] = {}
     entries = [
         e
         for e in shard_map(chunks)
         if not (e.tied_copy or (e.stored_kind == "replicated" and tp_rank))
     ]
     writers = state_writers([e.param.numel() for e in entries], dp_size)
-    for e, writer in zip(entries, writers, strict=True):
-        name, p, kind = e.name, e.param, e.stored_kind
-        if dp_rank == 0:
-            tensors[name], kinds[name] = p.detach(), kind
-        if inner is not None and id(p) in managed and writer == dp_rank:
-            for key, value in inner.state.get(p, {}).items():
-                if torch.is_tensor(value) and (value.dim() or not tp_rank):  # scalars once
-                    k = f"{key}/{name}"
-                    tensors[k], kinds[k] = value.detach(), kind if value.dim() else "replicated"
+    mine = [e for e, writer in zip(entries, writers, strict=True) if writer == dp_rank]
+    if hasattr(opt, "whole_tensors"):
+        got = opt.whole_tensors({id(e.param) for e in mine})
+    else:
+        inner, managed = _optimizer_view(opt)
+        got = {
+            id(e.param): (
+                e.param.detach(),
+                inner.state.get(e.param, {})
+                if inner is not None and id(e.param) in managed
+                else {},
+            )
+            for e in mine
+        }
+    tensors: dict[str, torch.Tensor] = {}
+    kinds: dict[str, str] = {}
+    for e in mine:
+        value, state = got[id(e.param)]
+        tensors[e.name], kinds[e.name] = value, e.stored_kind
+        for key, v in state.items():
+            if torch.is_tensor(v) and (v.dim() or not tp_rank):  # scalars once
+                k = f"{key}/{e.name}"
+                tensors[k], kinds[k] = v.detach(), e.stored_kind if v.dim() else "replicated"
     return tensors, kinds
 
 
 def state_writers(numels: Sequence[int], n: int) -> list[int]:
-    """Which of n dp ranks writes each tensor's optimizer state: largest first, each to the
+    """Which of n dp ranks writes each tensor and its optimizer state: largest first, each to the
     rank with the fewest elements so far (ties keep the order), so every rank writes about 1/n.
     numels [5, 3, 3, 1], n 2 -> [0, 1, 1, 0]."""
     load = [0] * n
@@ -580,10 +594,15 @@ def load(
     chunks = [model] if isinstance(model, nn.Module) else list(model)
     config = chunks[0].config
     tp, rank = chunks[0].tp, dist.get_rank(chunks[0].group) if dist.is_initialized() else 0
+    sharded = hasattr(opt, "load_pieces")  # ZeRO: keep only this rank's shards' elements
     inner, managed = _optimizer_view(opt)
+    if sharded:
+        inner, managed = None, set()
     error: BaseException | None = None
     staged: list[tuple[torch.Tensor, torch.Tensor]] = []
     states: dict[nn.Parameter, dict[str, torch.Tensor]] = {}
+    pieces: list[tuple[int, slice, torch.Tensor]] = []  # ZeRO: (buffer, where, elements)
+    state_pieces: dict[str, list[tuple[int, slice, torch.Tensor]]] = {}
     index: dict = {}
     try:
         step_dir, index = read_index(path)
@@ -591,7 +610,7 @@ def load(
         reader = _Reader(step_dir, index, verify)
         shapes = dense_shapes(config)
         state_keys = sorted({k.split("/", 1)[0] for k in index["tensors"] if "/" in k})
-        if inner is not None and managed and index["step"] > 0 and not state_keys:
+        if (sharded or (inner is not None and managed)) and index["step"] > 0 and not state_keys:
             raise CheckpointError(
                 f"{step_dir / INDEX} holds no optimizer state "
                 "(saved without one); load it with opt=None"
@@ -605,8 +624,11 @@ def load(
                     f"{list(local.shape)} shard, the model has "
                     f"{list(p.shape)}"
                 )
-            staged.append((p, local))
-            if inner is not None and id(p) in managed:
+            if sharded:
+                pieces.append(opt.shard_piece(p, local))
+            else:
+                staged.append((p, local))
+            if sharded or (inner is not None and id(p) in managed):
                 st = {}
                 for key in state_keys:
                     entry = reader.entry(f"{key}/{name}")
@@ -614,10 +636,16 @@ def load(
                     st[key] = reader.local(
                         f"{key}/{name}", "replicated" if scalar else kind, tp, rank, config
                     )
-                states[p] = st
+                if sharded:
+                    for key, value in st.items():
+                        state_pieces.setdefault(key, []).append(opt.shard_piece(p, value))
+                else:
+                    states[p] = st
     except Exception as e:  # noqa: BLE001 - reported to every rank by _agree
         error = e
     _agree(error, f"loading {path}")
+    if sharded:
+        opt.load_pieces(pieces, state_pieces)
     with torch.no_grad():
         for p, local in staged:
             p.copy_(local.to(p.dtype))
@@ -652,15 +680,8 @@ def save_if_due(
     every, steps = getattr(cfg, "save_every", 0), getattr(cfg, "steps", None)
     ckpt_dir = getattr(cfg, "ckpt_dir", None)
     if ckpt_dir and ((every and step % every == 0) or step == steps or _SAVING_NOW.get()):
-        with whole(opt) as full:
-            return save(ckpt_dir, model, full, step, train_cfg=cfg, **kwargs)
+        return save(ckpt_dir, model, opt, step, train_cfg=cfg, **kwargs)
     return None
-
-
-def whole(opt: object | None) -> AbstractContextManager:
-    """A context giving an optimizer whose state is per whole parameter: ZeRO-2/3's
-    `consolidated()` (all-gathered over DP, re-sharded on exit: collective), else `opt`."""
-    return opt.consolidated() if hasattr(opt, "consolidated") else nullcontext(opt)
 
 
 def resume_from(
@@ -674,8 +695,7 @@ def resume_from(
     path = getattr(cfg, "resume", None)
     if not path:
         return 0
-    with whole(opt) as full:
-        index = load(path, model, full)
+    index = load(path, model, opt)
     if scaler is not None and "loss_scaler" in index:
         scaler.load_state_dict(index["loss_scaler"])
     return index["step"]

@@ -135,6 +135,14 @@ class FlatBuffer:
             self.full.copy_(self.narrow)
             self.narrow = None
 
+    def gather_exact(self) -> None:
+        """All-gather the shards into the buffer in their own dtype (no gather_dtype)."""
+        self.wait_gather()
+        self.full.untyped_storage().resize_(self.nbytes)
+        with torch.no_grad():
+            collectives.all_gather_into(self.full, self.shard.detach(), self.group)
+        self.gathered = True
+
     def wait_gather(self) -> None:
         if self.gather_work is not None:
             start = time.perf_counter()
@@ -270,6 +278,10 @@ class ShardedDataParallel(GradientSync):
             self.units += [*blocks, self._unit(chunk, chunk, rest, root=True)]
         self.units = [u for u in self.units if u.buffers]
         self.buffers = [b for u in self.units for b in u.buffers]
+        # id(parameter) -> (its buffer's index, its index in the buffer)
+        self.home = {
+            id(p): (k, i) for k, b in enumerate(self.buffers) for i, p in enumerate(b.params)
+        }
         self.blocks = [u for u in self.units if not u.root]
         self.roots = [u for u in self.units if u.root]
         groups = [
@@ -419,61 +431,78 @@ class ShardedDataParallel(GradientSync):
 
     @contextlib.contextmanager
     def gathered(self) -> Iterator[None]:
-        """Inside: every parameter whole on every DP rank (ZeRO-3 frees them again on exit).
-        One blocking all-gather per buffer."""
+        """Inside: every parameter whole on every DP rank, with exactly its fp32 shard's values
+        (a gather_dtype's rounding undone); on exit ZeRO-3 frees them again, and ZeRO-1/2 with
+        a gather_dtype go back to the rounded replicas training steps with. One blocking
+        all-gather per buffer (and one more on exit with a gather_dtype)."""
         for b in self.buffers:
-            b.gather()
+            b.gather_exact()
         try:
             yield
         finally:
-            if self.level == 3:
-                for b in self.buffers:
+            for b in self.buffers:
+                if self.level == 3:
                     b.free()
+                elif b.gather_dtype is not None:
+                    b.write_params()
 
-    @contextlib.contextmanager
-    def consolidated(self) -> Iterator[torch.optim.AdamW]:
-        """Inside: every parameter whole and a plain AdamW over them holding the whole
-        optimizer state (all-gathered over DP): what checkpoint.save writes and load fills.
-        On exit each rank takes its shard back of the (possibly loaded) values. Collective."""
-        full = torch.optim.AdamW(  # the same groups and settings, whole parameters
-            [
-                dict(g, params=[p for b in self.buffers if b.shard in shards for p in b.params])
-                for g in self.inner.param_groups
-                for shards in [set(g["params"])]
-            ]
-        )
-        with self.gathered():
-            self._gather_states(full)
-            try:
-                yield full
-            finally:
-                self._take_shards(full)
-
-    def _gather_states(self, full: torch.optim.AdamW) -> None:
-        """The shards' AdamW states, all-gathered, as `full`'s per-parameter states."""
+    # Checkpoints: whole tensors one buffer at a time, never the whole model at once.
+    @torch.no_grad()
+    def whole_tensors(
+        self, wanted: set[int]
+    ) -> dict[int, tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+        """{id(p): (p's whole value, its whole AdamW state)} for the parameters in `wanted`
+        (ids; each rank its own set: what it writes), from the fp32 shards (not from the
+        replicas' parameters, which `gather_dtype` rounds). Collective over DP: buffer after
+        buffer, the shards and their states are all-gathered and the wanted tensors copied
+        out, so beside what it returns a rank holds one buffer's whole values at a time."""
+        out = {}
         for b in self.buffers:
-            st = self.inner.state.get(b.shard, {})
-            for key, value in st.items():
-                if value.dim() == 0:
-                    for p in b.params:
-                        full.state.setdefault(p, {})[key] = value.clone()
-                    continue
-                whole = value.new_empty(b.n * b.size)
-                collectives.all_gather_into(whole, value, b.group)
-                for p, piece in zip(b.params, b.slices, strict=True):
-                    full.state.setdefault(p, {})[key] = whole[piece].view_as(p)
+            whole = {"": b.shard.detach(), **self.inner.state.get(b.shard, {})}
+            for key, value in whole.items():
+                if value.dim():  # AdamW's step (a scalar) is the same for every element
+                    whole[key] = value.new_empty(b.n * b.size)
+                    collectives.all_gather_into(whole[key], value, b.group)
+            for p, piece in zip(b.params, b.slices, strict=True):
+                if id(p) in wanted:
+                    st = {k: v if v.dim() == 0 else v[piece].view_as(p) for k, v in whole.items()}
+                    st = {k: v.clone() for k, v in st.items()}
+                    out[id(p)] = (st.pop(""), st)
+        return out
+
+    def shard_piece(self, p: nn.Parameter, value: torch.Tensor) -> tuple[int, slice, torch.Tensor]:
+        """The part of `value` (shaped like parameter p: its value or a state) in this rank's
+        shard: (index of p's buffer, where in the shard, a copy of those elements); an empty
+        piece when p has no element there."""
+        k, i = self.home[id(p)]
+        b = self.buffers[k]
+        if value.dim() == 0:  # AdamW's step: one value for the whole shard
+            return k, slice(0, 0), value.clone()
+        piece = b.slices[i]
+        lo = max(piece.start, b.mine.start)
+        hi = max(lo, min(piece.stop, b.mine.stop))
+        part = value.reshape(-1)[lo - piece.start : hi - piece.start]
+        part = part.to(device=b.shard.device, dtype=b.shard.dtype).clone()
+        return k, slice(lo - b.mine.start, hi - b.mine.start), part
 
     @torch.no_grad()
-    def _take_shards(self, full: torch.optim.AdamW) -> None:
-        """Each rank's shard of `full`'s (possibly loaded) parameters and states back."""
+    def load_pieces(
+        self,
+        params: Sequence[tuple[int, slice, torch.Tensor]],
+        states: dict[str, Sequence[tuple[int, slice, torch.Tensor]]],
+    ) -> None:
+        """Fill the shards and their AdamW states from `shard_piece`s that cover them; then
+        every replica's whole parameters from the new shards (ZeRO-1/2: one all-gather per
+        buffer; ZeRO-3 gathers them when they are next used). Collective over DP."""
+        for k, where, part in params:
+            self.buffers[k].shard[where] = part
+        for key, pieces in states.items():
+            for k, where, part in pieces:
+                b = self.buffers[k]
+                st = self.inner.state.setdefault(b.shard, {})
+                if part.dim() == 0:
+                    st[key] = part
+                    continue
+                st.setdefault(key, torch.zeros_like(b.shard.detach()))[where] = part
         for b in self.buffers:
-            b.shard.copy_(b.full[b.mine])
-            states = [full.state.get(p, {}) for p in b.params]
-            if states and all(states):
-                st = {}
-                for key, value in states[0].items():
-                    if value.dim() == 0:
-                        st[key] = value.clone()
-                        continue
-                    st[key] = b.flat([s[key] for s in states])[b.mine].to(b.shard.dtype).clone()
-                self.inner.state[b.shard] = st
+            b.write_params()
