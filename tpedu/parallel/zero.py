@@ -17,8 +17,9 @@ restores (ZeRO-3) all of the unit's parameters at once.
 
 Per step:
   ZeRO-1  backward: as a buffer's gradients complete, an async reduce-scatter hands each owner
-          the sum of its elements (then /N into shard.grad); the full gradients stay, as
-          Megatron-LM's distributed optimizer keeps its whole gradient buffer.
+          the sum of its elements (then /N into shard.grad); the full gradients stay (this
+          rank's own, not the DP mean: that is only in the shards), as Megatron-LM's
+          distributed optimizer keeps its whole gradient buffer.
           step(): AdamW on the shards, then one all-gather per buffer refreshes every replica.
   ZeRO-2  the same, but the full gradients are dropped once reduce-scattered.
   ZeRO-3  at rest a block keeps only its shard (the buffer's storage is resized to 0; autograd's
