@@ -73,7 +73,8 @@ demo: $(STAMP)
 	$(PY) -m tpedu generate --tp 2 --model runs/demo --prompt "却说宝玉" --max-new-tokens 120
 
 # On a machine with CUDA GPUs: bf16/fp16 steps, TP == dense, generation and checkpoints on the
-# GPU, two ranks on one GPU over gloo, MFU of GPT-2 small (a few minutes; add ARGS=--notebooks
-# for every lesson under nbval on CUDA). `ARGS=--device cpu` runs the same checks on CPU ranks.
+# GPU, two ranks on one GPU over gloo, ZeRO-3 on the GPU, MFU of GPT-2 small (a few minutes;
+# add ARGS=--notebooks for every lesson under nbval on CUDA). `ARGS=--device cpu` runs the same
+# checks on CPU ranks.
 gpu-check: $(STAMP)
 	$(PY) -m tpedu.course.gpu_check $(ARGS)

@@ -11,7 +11,7 @@ def test_every_check_passes_on_cpu_ranks(capsys):
     assert gpu_check.main(["--device", "cpu", "--quick"]) == 0
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines()[2:] if line.strip()]
-    assert len(rows) == 8 and all(" ok " in r for r in rows), out
+    assert len(rows) == 10 and all(" ok " in r for r in rows), out
 
 
 def test_a_failing_check_is_a_fail_row_and_exit_code_1(monkeypatch, capsys):

@@ -11,6 +11,10 @@ and prints one table (check, status, seconds, what was measured):
                                  TP == dense at tp 2 over gloo's CUDA collectives; a collective
                                  gloo cannot run on CUDA tensors is reported, not hidden
     two or more GPUs             the same at tp 2 over NCCL, one GPU per rank
+    ZeRO-3 (FSDP)                4 fp32 steps and a save/resume on the GPU (1 rank over NCCL,
+                                 2 over NCCL with 2+ GPUs, else 2 on GPU 0 over gloo) against
+                                 plain training on the CPU: flat buffers, storage freed and
+                                 re-gathered, reduce-scatters, sharded checkpoints on CUDA
     --notebooks                  every lesson under nbval: over NCCL with 2+ GPUs, else with
                                  $TPEDU_DEVICE=cuda (all ranks on one GPU, gloo)
     throughput                   a GPT-2-small step in bf16: tokens/s and MFU against the GPU's
@@ -40,6 +44,7 @@ from tpedu.analysis.shape import ModelShape
 from tpedu.course.troubleshoot import compare_with_dense
 from tpedu.launcher import device, launch
 from tpedu.model import TPGPT, DenseGPT, GPTConfig
+from tpedu.parallel.config import ParallelConfig
 from tpedu.train.generate import generate
 from tpedu.train.loop import TrainConfig, build_model, make_optimizer, train, train_step
 
@@ -121,6 +126,37 @@ def _resume(tmp: str, backend: str) -> str:
     return "fp16, save at step 2 of 4, resume: the same losses bit for bit"
 
 
+ZERO_REL = 1e-4  # fp32 on another device sums in other orders (≈1e-6); a wrong shard is ≥1e-2
+
+
+def _zero3(ranks: int, backend: str, tmp: str) -> str:
+    """ZeRO-3 at dp `ranks` on this device: 4 fp32 steps straight, and 2 + save + resume 2,
+    against plain training on the CPU (computed here, before any rank touches CUDA)."""
+    g = torch.Generator().manual_seed(0)
+    data = torch.randint(0, SMALL.vocab_size, (4000,), generator=g)
+    cfg = TrainConfig(steps=4, batch=4, warmup=1, eval_every=0, progress=False)
+    on_gpu = os.environ.pop("TPEDU_DEVICE", None)  # the reference on CPU ranks
+    try:
+        ref = launch(train, 1, SMALL, cfg, data, data, backend="gloo")[0]["losses"]
+    finally:
+        if on_gpu is not None:
+            os.environ["TPEDU_DEVICE"] = on_gpu
+    par = ParallelConfig(dp=ranks, zero=3)
+
+    def go(c: TrainConfig) -> list[float]:
+        return launch(train, ranks, SMALL, c, data, data, parallel=par, backend=backend)[0][
+            "losses"
+        ]
+
+    straight = go(cfg)
+    go(dataclasses.replace(cfg, ckpt_dir=tmp, save_every=2))
+    resumed = go(dataclasses.replace(cfg, resume=f"{tmp}/step_00000002"))
+    gap = max(abs(a - b) / b for a, b in zip(straight + resumed, ref + ref[2:], strict=True))
+    if gap > ZERO_REL:
+        raise AssertionError(f"ZeRO-3 losses {straight}, resumed {resumed} vs CPU {ref}")
+    return f"dp {ranks}: 4 steps and a resume; largest loss gap to the CPU {gap:.1e}"
+
+
 def _throughput(config: GPTConfig, batch: int, steps: int) -> dict[str, float | str]:
     """Seconds of `steps` bf16 training steps after 2 of warm-up; tokens/s and TFLOP/s
     (ModelShape.flops_per_token: 6·N + 12·L·s·h per token)."""
@@ -197,6 +233,17 @@ def run_checks(
         check(f"TP == dense, 2 ranks ({single})", lambda: _two_ranks(single))
     else:
         rows.append(("TP == dense, 2 ranks (nccl)", "skipped", 0.0, "needs 2 GPUs"))
+    with tempfile.TemporaryDirectory() as tmp:
+        check(f"ZeRO-3, 1 rank ({single})", lambda: _zero3(1, single, tmp))
+    with tempfile.TemporaryDirectory() as tmp:
+        if on == "cpu" or gpus >= 2:
+            check(f"ZeRO-3, 2 ranks ({single})", lambda: _zero3(2, single, tmp))
+        else:  # every rank's tensors on GPU 0, over gloo
+            os.environ["TPEDU_DEVICE"] = "cuda"
+            try:
+                check("ZeRO-3, 2 ranks on GPU 0 (gloo)", lambda: _zero3(2, "gloo", tmp))
+            finally:
+                del os.environ["TPEDU_DEVICE"]
 
     config, batch, steps = (SMALL, 4, 2) if quick or on == "cpu" else (GPT2_SMALL, 8, 10)
 
