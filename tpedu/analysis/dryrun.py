@@ -47,7 +47,8 @@ over the whole sequence and the gradients' sum over CP.
 ZeRO-1/2/3: the parameters are views into flat buffers (ZeRO-3 resizes their storage to
 nothing at rest, which works on meta tensors too), so the weights are the whole buffers still
 held after the step plus the fp32 shards AdamW steps; the gradients and AdamW's states are the
-shards' (ZeRO-1 keeps the whole local gradients too); `peak_gathered` is the most bytes of whole parameters held at once during the step.
+shards' (ZeRO-1 keeps the whole local gradients too); `peak_gathered` is the most bytes of
+whole parameters held at once during the step.
 
 Then `compare` sets each figure beside its prediction: the memory ledger
 (`tpedu.analysis.memory.ledger`, for pipeline stage 0, at fp32: 4 + 4 + 8 bytes per parameter)

@@ -26,9 +26,9 @@ Optimizer state (AdamW's exp_avg, exp_avg_sq, step) is stored as `exp_avg/<name>
 exactly like its parameter. Data-parallel replicas hold identical copies, so only dp rank 0
 writes them; with ZeRO (any stage) the dp ranks share the writing, whole tensors each with their
 optimizer state, about 1/dp per rank (`state_writers`), gathered from the shards one flat buffer
-at a time, and each rank loads only its shards' elements: no rank ever holds the whole stage. On disk, then, a checkpoint
-depends only on (tp, pp): loading at any dp and ZeRO stage just reads the files, and each rank
-keeps the optimizer state of the parameters its optimizer manages.
+at a time, and each rank loads only its shards' elements: no rank ever holds the whole stage.
+On disk, then, a checkpoint depends only on (tp, pp): loading at any dp and ZeRO stage just
+reads the files, and each rank keeps the optimizer state of the parameters it updates.
 
 "RNG state": tpedu's dropout masks are a hash of (seed, layer, call site, step, element index)
 and batches come from a generator seeded by (seed, step), so after initialisation the training
@@ -271,8 +271,8 @@ def save(
     """Save this step's checkpoint under `root` from every rank of the world. Collective.
 
     model: this rank's TPGPT (or its pipeline chunks); opt: its AdamW, its ShardedDataParallel
-    (ZeRO) or None; mesh: the tpedu.parallel.mesh.Mesh of a 3D layout (None:
-    the world is one TP group); parallel: the run's ParallelConfig, stored in the index (None:
+    (ZeRO) or None; mesh: the tpedu.parallel.mesh.Mesh of a 3D layout (None: the world is one
+    TP group); parallel: the run's ParallelConfig, stored in the index (None:
     plain TP over the model's group, its sequence parallelism as built); scaler: the fp16
     LossScaler, whose state the index keeps ("loss_scaler"). Returns root/step_N.
     3 tiny all-reduces (barriers that also carry failures: one rank's error makes every rank

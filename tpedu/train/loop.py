@@ -409,10 +409,10 @@ def grad_norm_3d(chunks: Sequence[TPGPT], mesh: Mesh) -> torch.Tensor:
     """L2 norm of the whole model's gradient on every rank of a 3D layout. 2 small all-reduces.
 
     `chunks`: this rank's TPGPT chunks (one, or several with the interleaved schedule). Within
-    a stage, TP copies are counted once (as `TPGPT.grad_norm`); then the stages' sums of squares are added over the
-    PP group, leaving out the last stage's copy of a tied embedding (its gradient equals the
-    first stage's after `sync_tied_grads`). DP replicas hold identical gradients after the
-    all-reduce: no DP reduction.
+    a stage, TP copies are counted once (as `TPGPT.grad_norm`); then the stages' sums of
+    squares are added over the PP group, leaving out the last stage's copy of a tied embedding
+    (its gradient equals the first stage's after `sync_tied_grads`). DP replicas hold
+    identical gradients after the all-reduce: no DP reduction.
     """
     sq = torch.zeros((), dtype=torch.float64, device=next(chunks[0].parameters()).device)
     for chunk in chunks:
@@ -626,9 +626,9 @@ def gather_pipeline_state(
 ) -> dict[str, torch.Tensor]:
     """The whole dense state dict on global rank 0 (others: their stage's part). Collective.
 
-    `chunks`: this rank's TPGPT chunks, cut with stage split `split`. Each stage gathers its TP shards; then tp_rank 0 of
-    replica 0 of every later stage sends its tensors to rank 0 (sorted by name, blocking
-    send/recv: only rank 0 receives, so no cycle).
+    `chunks`: this rank's TPGPT chunks, cut with stage split `split`. Each stage gathers its TP
+    shards; then tp_rank 0 of replica 0 of every later stage sends its tensors to rank 0
+    (sorted by name, blocking send/recv: only rank 0 receives, so no cycle).
     """
     state = {k: v for chunk in chunks for k, v in chunk.gather_state_dict().items()}
     if mesh.tp_rank or mesh.dp_rank or mesh.layout.pp == 1:
