@@ -69,8 +69,10 @@ LAYOUTS = {
 }
 
 
-def _measure(config: GPTConfig, parallel: ParallelConfig, batch: int) -> dryrun.RankFigures:
-    return dryrun.measure_rank(config, parallel, batch, device="cpu")
+def _measure(
+    config: GPTConfig, parallel: ParallelConfig, batch: int, dtype: str = "fp32"
+) -> dryrun.RankFigures:
+    return dryrun.measure_rank(config, parallel, batch, device="cpu", dtype=dtype)
 
 
 def _train_one_step(config: GPTConfig, parallel: ParallelConfig, batch: int) -> tuple:
@@ -92,6 +94,47 @@ def test_dry_run_equals_real_ranks(name):
         assert d.comparable() == r.comparable(), f"rank {d.rank}"
         assert d.traffic == t, f"rank {d.rank}: the dry step's traffic is not train()'s"
         assert d.activations > 0 and d.optimizer > 0 and d.traffic
+
+
+# bf16: the dry run imitates autocast's casts on meta tensors (tpedu.train.precision
+# .meta_autocast); real CPU ranks run torch.autocast. Every layout: the same bytes held, saved
+# and sent, tensor by tensor in dtype, and every difference from the ledger and the what-if named.
+BF16 = {
+    **{n: LAYOUTS[n] for n in ("tp2 pp2 dp2", "tp4 pp2, KV heads replicated, selective")},
+    **{n: LAYOUTS[n] for n in ("tp2 only (train's TP loop), replicated untied embedding",)},
+    **{n: LAYOUTS[n] for n in ("dp2 cp2, ring, contiguous, selective", "tp2 dp2 ZeRO-3")},
+    **{n: LAYOUTS[n] for n in ("pp2 cp2, Ulysses, full recompute, GQA",)},
+    "tp2 pp2, SP": (SMALL, ParallelConfig(2, 2, 1, sequence_parallel=True)),
+    "tp2 pp2 dp2, SP, full recompute, ZeRO-1": LAYOUTS["tp2 pp2 dp2, SP, full recompute, ZeRO-1"],
+}
+
+
+@pytest.mark.parametrize("name", list(BF16))
+def test_bf16_dry_run_equals_real_ranks_and_is_explained(name):
+    config, parallel = BF16[name]
+    runs = dryrun.dry_run(config, parallel, 8, range(parallel.world), dtype="bf16")
+    real = launch(_measure, parallel.world, config, parallel, 8, "bf16")
+    for run, r in zip(runs, real, strict=True):
+        assert run.figures.comparable() == r.comparable(), f"rank {r.rank}"
+        for c in run.comparisons:
+            assert abs(c.unexplained) < 0.5, (r.rank, c)
+
+
+def test_bf16_halves_the_seed_jobs_activations_not_its_states(big_runs):
+    """The 128-GPU job in bf16: weights, gradients and AdamW states are fp32 as before (the
+    master weights); rank 0's activations and TP traffic shrink, toward the paper's 2 bytes;
+    nothing is unexplained."""
+    bf16 = dryrun.dry_run(BIG, ParallelConfig(4, 4, 8, zero=1), 64, [0], dtype="bf16")[0]
+    fp32 = big_runs[0]
+    for what in ("weights", "gradients", "optimizer states"):
+        assert bf16.comparison(what).measured == fp32.comparison(what).measured
+    a16, a32 = bf16.figures.activations, fp32.figures.activations
+    copies = [t for t in bf16.comparison("activations (peak)").terms if "copies" in t.name]
+    assert len(copies) == 1 and copies[0].value > 0  # autocast's bf16 weight copies: new
+    assert a16 - copies[0].value < 0.7 * a32  # not 0.5: the residual stream stays fp32
+    assert bf16.figures.sent("tp") < fp32.figures.sent("tp")
+    assert all(abs(c.unexplained) < 0.5 for c in bf16.comparisons)
+    assert "bf16 autocast" in dryrun.format_table(bf16)
 
 
 @pytest.mark.parametrize("name", [n for n in LAYOUTS if "llama" not in n])
@@ -345,7 +388,7 @@ def test_cli_rank_all(capfd):
         (["--vocab", "0"], "--vocab must be at least 1, got 0"),
         (["--pp", "4", "--layers", "2"], "2 layers cannot be split over 4 stages"),
         (["--tp", "0"], "tp must be a positive integer"),
-        (["--dtype", "bf16"], "--dtype bf16: the dry run steps in fp32 only"),
+        (["--dtype", "fp16"], "--dtype fp16: the dry run steps in fp32 or bf16"),
         (["--pp", "2", "--micro-batches", "3"], "--micro-batches 3 does not divide"),
         (["--tp", "4", "--seq", "18", "--sequence-parallel"], "s = 18 is not divisible by tp=4"),
         (["--cp", "2", "--seq", "18"], "sequence length 18 is not divisible by 4 (2·cp = 4)"),

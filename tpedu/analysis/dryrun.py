@@ -17,7 +17,7 @@ How (`measure_rank`, the same code on a real process group and on a fake one):
    no bytes), and TPGPT slices its tensors into this rank's shards exactly as on real ranks
    (`build_stage_chunks`). Forward, backward and AdamW run on meta tensors: shapes and dtypes
    propagate, nothing is computed.
-3. One training step as `tpedu.train.loop` runs it, in fp32 (train's default --dtype):
+3. One training step as `tpedu.train.loop` runs it, in fp32 (train's default --dtype) or bf16:
    `run_loop` for one step around `step_3d` (the pipeline schedule for this rank's stage, DP
    bucket all-reduces, tied-embedding and TP gradient fix-ups, the gradient norm, AdamW, or
    with ZeRO `make_sharded`'s ShardedDataParallel as both the gradient reducer and the
@@ -35,6 +35,13 @@ Two things meta tensors would get wrong, and what is done instead:
   gloo ranks). CUDA's flash kernels save the same kinds of tensors (plus their RNG state).
 - Data-dependent checks (token ids in range) cannot look at values: tpedu.tp's embedding
   and loss skip them for meta tensors.
+- torch.autocast refuses the meta device. With `dtype="bf16"` (--dtype bf16) the step runs
+  under `tpedu.train.precision.meta_autocast` instead, which casts as CPU autocast does for the
+  ops tpedu's model calls (matmuls and attention to bf16, a weight once per step, the
+  replicated head's cross-entropy to fp32): the tensors saved and sent equal a CPU autocast
+  run's, dtype by dtype (`tests/test_dryrun.py`). CUDA's autocast agrees on those ops; it
+  runs softmax and exp in fp32 where the CPU keeps bf16, which only the explicit attention
+  paths call (dropout > 0, ring attention): there a GPU run can hold more than this figure.
 
 Context parallelism (cp > 1): each rank builds its TPGPT with its CP group (the mesh's cp
 axis, or train's TP loop's TP and CP groups) and steps on its s/cp positions, as train feeds
@@ -102,8 +109,10 @@ from tpedu.train.loop import (
     run_loop,
     step_3d,
 )
+from tpedu.train.precision import autocast
 
-VALUE_BYTES = 4  # the dry run trains in fp32 (train's default --dtype): weights, grads, values
+VALUE_BYTES = 4  # weights and gradients (fp32: the master weights), and fp32 values
+DRY_DTYPES = ("fp32", "bf16")  # the compute dtypes a dry run steps in
 ADAMW_BYTES = 8  # exp_avg and exp_avg_sq per parameter (fp32 weights are their own master)
 GROUP_ORDER = ("tp", "pp", "dp", "emb", "world")
 PHASE_ORDER = ("forward", "backward", "grad_sync")
@@ -168,6 +177,7 @@ class RankFigures:
     # held at once during the step
     flat_buffers: tuple[tuple[int, int, int, int], ...] = ()
     peak_gathered: int = 0
+    dtype: str = "fp32"  # the step's compute dtype (train's --dtype): "fp32" or "bf16"
 
     @property
     def blocks(self) -> int:
@@ -421,6 +431,7 @@ def measure_rank(
     batch: int,
     device: str | torch.device = "meta",
     dense: DenseGPT | None = None,
+    dtype: str = "fp32",
 ) -> RankFigures:
     """One training step of this rank, as train runs it, on `device`; its figures. Collective:
     every rank of the (real or fake) world must call it.
@@ -434,7 +445,7 @@ def measure_rank(
     m = check_setup(config, parallel, batch)
     parallel.layout.check_world(dist.get_world_size())
     dense = dense if dense is not None else build_dense(config, device)
-    cfg = TrainConfig(batch=batch)  # train's defaults: grad_clip 1.0, AdamW weight decay 0.1
+    cfg = TrainConfig(batch=batch, dtype=dtype)  # train's defaults: grad_clip 1.0, decay 0.1
     loop_cfg = TrainConfig(batch=batch, steps=1, eval_every=0, progress=False)
     options = parallel.model_options()
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -474,7 +485,8 @@ def measure_rank(
             # One step as train's loops run it, minus their .item()s (meta has no values).
             if parallel.tp_only:  # train_step
                 model = chunks[0]
-                loss = model(ids[0], targets[0], step=k)
+                with autocast(dtype, ids[0].device):
+                    loss = model(ids[0], targets[0], step=k)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 model.sync_grads()
@@ -495,6 +507,7 @@ def measure_rank(
                     dpar,
                     cfg.grad_clip,
                     k,
+                    dtype,
                 )
                 # its 1 float64 all-reduce over the world; with no value to add (None) the
                 # message is the same
@@ -566,6 +579,7 @@ def measure_rank(
         traffic=traffic_summary(tracer),
         flat_buffers=flat,
         peak_gathered=peak_gathered,
+        dtype=dtype,
     )
 
 
@@ -602,31 +616,40 @@ def dry_run(
     parallel: ParallelConfig,
     batch: int = 8,
     ranks: Sequence[int] | None = None,
+    dtype: str = "fp32",
 ) -> list[DryRun]:
     """Dry-run one training step on each of `ranks` (default: `default_ranks`), each alone on a
-    fake process group of parallel.world ranks, on the meta device. Returns one DryRun each.
+    fake process group of parallel.world ranks, on the meta device, computing in `dtype`
+    ("fp32", or "bf16": autocast as train's --dtype bf16). Returns one DryRun each.
 
     Raises a ValueError (before building anything) if the setup cannot run. Inside a process
     that already has a process group (a launched rank), it runs in a fresh spawned process.
     """
     check_setup(config, parallel, batch)
+    if dtype not in DRY_DTYPES:
+        raise ValueError(
+            f"the dry run steps in {' or '.join(DRY_DTYPES)}, not {dtype!r}: fp16's loss "
+            "scaler reads the gradients' values, which meta tensors do not have"
+        )
     ranks = list(default_ranks(parallel) if ranks is None else ranks)
     for r in ranks:
         parallel.layout.coords(r)  # raises for a rank outside the world
     if dist.is_initialized():
         with mp.get_context("spawn").Pool(1) as pool:
-            return pool.apply(_dry_run_here, (config, parallel, batch, ranks))
-    return _dry_run_here(config, parallel, batch, ranks)
+            return pool.apply(_dry_run_here, (config, parallel, batch, ranks, dtype))
+    return _dry_run_here(config, parallel, batch, ranks, dtype)
 
 
 _POOL: dict = {}  # what forked workers inherit: the setup and the meta model
 
 
 def _dry_run_one(rank: int) -> DryRun:
-    config, parallel, batch, dense = (_POOL[k] for k in ("config", "parallel", "batch", "dense"))
+    config, parallel, batch, dense, dtype = (
+        _POOL[k] for k in ("config", "parallel", "batch", "dense", "dtype")
+    )
     t0 = time.perf_counter()
     with fake_world(rank, parallel.world):
-        figures = measure_rank(config, parallel, batch, "meta", dense)
+        figures = measure_rank(config, parallel, batch, "meta", dense, dtype)
     seconds = time.perf_counter() - t0
     return DryRun(
         config, parallel, batch, figures, compare(figures, config, parallel, batch), seconds
@@ -634,12 +657,14 @@ def _dry_run_one(rank: int) -> DryRun:
 
 
 def _dry_run_here(
-    config: GPTConfig, parallel: ParallelConfig, batch: int, ranks: list[int]
+    config: GPTConfig, parallel: ParallelConfig, batch: int, ranks: list[int], dtype: str
 ) -> list[DryRun]:
     """Each rank in turn on a fresh fake world; many ranks (--rank all) over forked workers,
     one per core (each about a second at full size: the meta kernels are Python)."""
     start = time.perf_counter()
-    _POOL.update(config=config, parallel=parallel, batch=batch, dense=build_dense(config))
+    _POOL.update(
+        config=config, parallel=parallel, batch=batch, dense=build_dense(config), dtype=dtype
+    )
     built = time.perf_counter() - start  # once: every rank slices the same meta tensors
     try:
         workers = min(len(ranks), mp.cpu_count())
@@ -712,40 +737,63 @@ def _param_terms(fig: RankFigures, config: GPTConfig, parallel: ParallelConfig) 
 
 
 def _layer_terms(
-    config: GPTConfig, parallel: ParallelConfig, micro: int
+    config: GPTConfig, parallel: ParallelConfig, micro: int, dtype: str = "fp32"
 ) -> list[tuple[str, float]]:
     """tpedu's bytes per block and micro-batch minus Korthikanti et al.'s (16-bit values,
-    1-byte masks), by cause, for the GPT-2 block this dry run trains (fp32, dropout 0, flash
-    attention). Sums to (tpedu - paper) per layer; see the module docstring."""
+    1-byte masks), by cause, for the GPT-2 block this dry run trains (dropout 0, flash
+    attention; fp32, or bf16 autocast: the matmuls' values in 2 bytes as the paper's, the
+    residual stream in 4). Sums to (tpedu - paper) per layer; see the module docstring."""
     c, t, sp, rc = config, parallel.tp, parallel.sequence_parallel, parallel.recompute
-    s, b, h, a, e = c.seq_len, micro, c.hidden, c.n_heads, VALUE_BYTES
+    low = dtype != "fp32"
+    s, b, h, a = c.seq_len, micro, c.hidden, c.n_heads
+    e = 2 if low else VALUE_BYTES  # bytes of a value the matmuls make (autocast: bf16)
     rep = t if sp else 1
     sbh = s * b * h
     paper = activation_bytes_per_layer(s, b, h, a, t, sp, rc)
-    if rc == "full":
-        return [("4-byte values (fp32), the paper's 2", paper * (e / 2 - 1))]
+    if rc == "full":  # the block's input only: the residual stream, fp32 under autocast too
+        return [("4-byte values (fp32), the paper's 2", paper)]
     masks = 2 * sbh / rep + (a * s * s * b / t if rc == "none" else 0.0)  # 1-byte masks
     values = paper - masks
     d, nq = h // a, a // t
     nkv = c.kv_heads // t if t <= c.kv_heads else 1
-    out = [
-        ("no dropout masks (dropout 0)", -masks),
-        ("4-byte values (fp32), the paper's 2", values * (e / 2 - 1)),
-    ]
+    out = [("no dropout masks (dropout 0)", -masks)]
+    if not low:
+        out.append(("4-byte values (fp32), the paper's 2", values))
+    else:
+        out.append(
+            (
+                "the 2 norms' inputs in fp32, the paper's 2 bytes: autocast leaves the "
+                "residual stream fp32",
+                2 * sbh / rep * 2,
+            )
+        )
+        if sp:
+            out.append(
+                (
+                    "sequence parallelism: QKV and fc1 keep their input's shard, the norm's "
+                    "fp32 output, the paper's 2 bytes",
+                    2 * sbh / t * 2,
+                )
+            )
     # context parallelism: the core is ring attention or Ulysses' (all-to-alls around flash)
     ring = parallel.cp > 1 and parallel.cp_strategy == "ring"
     ulysses = parallel.cp > 1 and not ring
+    # flash keeps its logsumexp in fp32; ring attention in the compute dtype
+    lse_dtype, lse_bytes = ("bf16", 2) if (ring and low) else ("fp32", 4)
     if rc == "none":
         out.append(
             ("flash attention keeps no [b, a/t, s, s] probabilities", -2 * a * s * s * b / t * e)
         )
         who = "ring attention's" if ring else "flash attention's"
-        out.append((f"{who} logsumexp [b, a/t, s] (fp32)", b * nq * s * 4))
+        out.append((f"{who} logsumexp [b, a/t, s] ({lse_dtype})", b * nq * s * lse_bytes))
     out.append(("LayerNorm mean and 1/std (2 norms)", 2 * 2 * b * s / rep * 4))
     if parallel.cp > 1 and rc == "selective":  # recompute_core is the single-rank core's
         who = "ring attention's" if ring else "Ulysses' flash attention's"
         out.append(
-            (f"CP: the core is not recomputed, {who} logsumexp [b, a/t, s] (fp32)", b * nq * s * 4)
+            (
+                f"CP: the core is not recomputed, {who} logsumexp [b, a/t, s] ({lse_dtype})",
+                b * nq * s * lse_bytes,
+            )
         )
     if ulysses:
         out.append(
@@ -787,22 +835,46 @@ def _embedding_saved(config: GPTConfig, parallel: ParallelConfig, micro: int) ->
     return "embedding: " + ", ".join(what), total
 
 
-def _head_saved(config: GPTConfig, parallel: ParallelConfig, micro: int) -> tuple[str, int]:
+def _head_saved(
+    config: GPTConfig, parallel: ParallelConfig, micro: int, dtype: str = "fp32"
+) -> tuple[str, int]:
     """(what, bytes) the final norm, the LM head and the loss save per micro-batch: the norm's
-    input and statistics, the head's input (with sequence parallelism: its shard, gathered
-    again in backward; a replicated head: the gathered input), then the vocab-parallel loss's
-    fp32 softmax [b, s, Vp/t], local targets (int64), two masks and the token count, or
-    F.cross_entropy's log-softmax [b·s, V], targets and total weight."""
-    c, t, sp, e = config, parallel.tp, parallel.sequence_parallel, VALUE_BYTES
+    (fp32) input and statistics, the head's input (with sequence parallelism: its fp32 shard,
+    gathered again in backward; a replicated head: the gathered input; under bf16 autocast
+    the others are the matmul's bf16 copy), then the vocab-parallel loss's fp32 softmax
+    [b, s, Vp/t], local targets (int64), two masks and the token count, or F.cross_entropy's
+    log-softmax [b·s, V], targets and total weight (fp32 under autocast too)."""
+    c, t, sp = config, parallel.tp, parallel.sequence_parallel
+    e = 2 if dtype != "fp32" else VALUE_BYTES  # the head matmul's input, as autocast casts it
     b, s, h = micro, c.seq_len, c.hidden
     rep = t if sp else 1
-    norm = b * s // rep * h * e + 2 * b * s // rep * 4
+    norm = b * s // rep * h * VALUE_BYTES + 2 * b * s // rep * 4
     if c.vocab_parallel:
-        head_input = b * s // rep * h * e
+        head_input = b * s // rep * h * (VALUE_BYTES if sp else e)
         loss = b * s * (padded_vocab(c.vocab_size, t) // t) * 4 + 8 * b * s + 2 * b * s + 8
         return "final norm, LM head, vocab-parallel loss", norm + head_input + loss
     loss = b * s * c.vocab_size * 4 + 8 * b * s + 4
     return "final norm, replicated LM head, cross-entropy", norm + b * s * h * e + loss
+
+
+def _weight_copies(config: GPTConfig, parallel: ParallelConfig, fig: RankFigures) -> int:
+    """Bytes of the bf16 weight copies autocast makes and caches for the step (once, whatever
+    the micro-batches) that backward keeps: those of every block matmul that F.linear runs
+    (not the recomputed ones, nor sequence parallelism's QKV and fc1, whose all-gather
+    function keeps the fp32 weight), and the head's (not under sequence parallelism with a
+    vocab-parallel head)."""
+    c, t, sp = config, parallel.tp, parallel.sequence_parallel
+    h, d = c.hidden, c.hidden // c.n_heads
+    nq, nkv = c.n_heads // t, (c.kv_heads // t if t <= c.kv_heads else 1)
+    ffn = c.ffn // t
+    column = (nq + 2 * nkv) * d * h + (2 if c.activation == "swiglu" else 1) * ffn * h
+    row = h * nq * d + h * ffn
+    block = 0 if parallel.recompute == "full" else row + (0 if sp else column)
+    head = 0
+    if fig.last:
+        rows = padded_vocab(c.vocab_size, t) // t if c.vocab_parallel else c.vocab_size
+        head = 0 if (sp and c.vocab_parallel) else rows * h
+    return 2 * (fig.blocks * block + head)
 
 
 def _local(config: GPTConfig, parallel: ParallelConfig) -> GPTConfig:
@@ -847,14 +919,21 @@ def _activation_comparison(
         return Comparison("activations (peak)", fig.activations, predicted, "ledger", tuple(terms))
     terms += [
         Term(f"per block: {name}", value * m)
-        for name, value in _layer_terms(c, parallel, fig.micro_batch)
+        for name, value in _layer_terms(c, parallel, fig.micro_batch, fig.dtype)
     ]
     for held, (name, value) in (
         (fig.held_embedding, _embedding_saved(c, parallel, fig.micro_batch)),
-        (fig.held_head, _head_saved(c, parallel, fig.micro_batch)),
+        (fig.held_head, _head_saved(c, parallel, fig.micro_batch, fig.dtype)),
     ):
         if held:
             terms.append(Term(f"{name} × {held} (the ledger leaves them out)", value * held))
+    if fig.dtype != "fp32" and fig.in_flight:
+        terms.append(
+            Term(
+                "autocast's bf16 copies of the matmul weights, cast once and kept for the step",
+                _weight_copies(config, parallel, fig),
+            )
+        )
     ring = parallel.cp_strategy == "ring"
     if parallel.cp > 1 and (ring or parallel.recompute == "full") and fig.in_flight:
         # TPGPT computes them once per forward; every block saves the same tensor
@@ -1096,6 +1175,27 @@ def _traffic_comparisons(
                 -blocks_msgs,
             )
         )
+    if fig.dtype != "fp32":  # the row-parallel matmuls' outputs, and their gradients, in bf16
+        full = parallel.recompute == "full"
+        if sp:
+            what = (
+                "bf16 autocast: the blocks' reduce-scatters of the row-parallel outputs (2 per "
+                "block" + (", 1 more recomputed" if full else "") + "), the all-gathers of "
+                "their gradients (2) and the reduce-scatters of QKV's and fc1's input "
+                "gradients (2) in 2 bytes, the what-if's 4"
+            )
+            halved = (6 + full) * blocks_msgs / 2
+            if fig.last and c.vocab_parallel:
+                what += "; and the LM head's input gradient's (1 per micro-batch)"
+                halved += m * msg / 2
+        else:
+            what = (
+                "bf16 autocast: the blocks' all-reduces of the row-parallel outputs (2 per "
+                "block" + (", 1 more recomputed" if full else "") + ") in 2 bytes, the "
+                "what-if's 4; the backward ones carry fp32 gradients"
+            )
+            halved = (2 + full) * blocks_msgs / 2
+        terms.append(Term(what, -halved))
     vp = c.vocab_parallel
     if fig.first:
         calls = (2 if sp else 1) if vp else (1 if sp else 0)
@@ -1263,8 +1363,10 @@ def _cp_comparison(
 ) -> Comparison:
     """CP traffic against tpedu.cp.traffic's formulas for every block forward and backward of
     the step (ring: the K/V blocks' sends; Ulysses: its all-to-alls), plus what else the CP
-    group carries: the loss's mean over the whole sequence and the gradients' sum."""
-    c, t, cp, m, e = config, parallel.tp, parallel.cp, fig.micro_batches, VALUE_BYTES
+    group carries: the loss's mean over the whole sequence and the gradients' sum. Under bf16
+    autocast the K/V blocks (Ulysses: q, k, v and the output) are the QKV matmul's bf16."""
+    c, t, cp, m = config, parallel.tp, parallel.cp, fig.micro_batches
+    e = 2 if fig.dtype != "fp32" else VALUE_BYTES  # the attention core's values
     d = c.hidden // c.n_heads
     nkv = c.kv_heads // t if t <= c.kv_heads else 1
     layers = m * fig.blocks  # block forwards (and backwards) in the step
@@ -1305,7 +1407,7 @@ def _cp_comparison(
         Term(
             f"every gradient summed over CP: this rank's {fig.params:,} parameters "
             f"(1 all-reduce per tensor)",
-            fig.params * e,
+            fig.params * VALUE_BYTES,
         )
     )
     return Comparison("cp traffic", measured, predicted, "what-if", tuple(terms))
@@ -1371,6 +1473,7 @@ def format_table(run: DryRun) -> str:
         )
         + (f", recompute {par.recompute}" if par.recompute != "none" else "")
         + (f", ZeRO-{par.zero}" if par.zero else "")
+        + ("; bf16 autocast" if f.dtype != "fp32" else "")
         + "; fp32 weights, AdamW, dropout "
         + f"{c.dropout:g}",
         "",

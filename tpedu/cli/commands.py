@@ -216,11 +216,11 @@ def _dryrun(args: argparse.Namespace) -> int:
             fail(f"--{name} must be at least 1, got {getattr(args, name)}")
     if args.kv_heads is not None and args.kv_heads < 1:
         fail(f"--kv-heads must be at least 1, got {args.kv_heads}")
-    if args.dtype != "fp32":
+    if args.dtype == "fp16":
         fail(
-            f"--dtype {args.dtype}: the dry run steps in fp32 only (torch.autocast does not run "
-            "on meta tensors); drop --dtype: its weights, gradients and AdamW states are fp32 "
-            f"under {args.dtype} too, only activations and TP messages would be 2-byte"
+            "--dtype fp16: the dry run steps in fp32 or bf16; fp16's loss scaler reads the "
+            "gradients' values, which meta tensors do not have: dry-run --dtype bf16 (the same "
+            "bytes held; fp16 sends one more one-element all-reduce per step, the scaler's)"
         )
     parallel = checks.parallel_config(args)
     config = model_config(args, args.vocab)
@@ -234,7 +234,7 @@ def _dryrun(args: argparse.Namespace) -> int:
 
     start = time.perf_counter()
     try:
-        runs = dryrun.dry_run(config, parallel, args.batch, ranks)
+        runs = dryrun.dry_run(config, parallel, args.batch, ranks, args.dtype)
     except ValueError as e:
         fail(str(e))
     if args.rank == ["all"]:

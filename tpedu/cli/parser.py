@@ -282,7 +282,7 @@ def _dryrun_parser(sub: argparse._SubParsersAction) -> None:
         "--dtype",
         choices=["fp32", "bf16", "fp16"],
         default="fp32",
-        help="as train's; the dry run steps in fp32 only (autocast does not run on meta tensors)",
+        help="as train's: fp32, or bf16 (autocast's casts, imitated on meta tensors); not fp16",
     )
     dr.add_argument(
         "--rank",

@@ -26,8 +26,8 @@ fp32's exponent range and needs no scaling.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import torch
 import torch.distributed as dist
@@ -38,12 +38,71 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def autocast(dtype: str, device: torch.device) -> AbstractContextManager:
-    """The forward's precision context: autocast to `dtype` ("bf16", "fp16"), or nothing."""
+    """The forward's precision context: autocast to `dtype` ("bf16", "fp16"), or nothing. On
+    the meta device (lesson 13's dry run), which torch.autocast refuses, `meta_autocast`."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {dtype!r}")
     if dtype == "fp32":
         return nullcontext()
+    if device.type == "meta":
+        return meta_autocast(DTYPES[dtype])
     return torch.autocast(device.type, dtype=DTYPES[dtype])
+
+
+# CPU autocast's op lists, as far as tpedu's model calls them (torch.Tensor.__matmul__ is `@`):
+# ops that run in the low dtype, and ops that run in fp32. CUDA's lists agree on these; they
+# differ on ops CUDA runs in fp32 and the CPU in the low dtype (softmax, exp), which only the
+# explicit attention paths call (dropout, the ring).
+_LOWER = (
+    (torch.nn.functional, "linear"),
+    (torch.nn.functional, "scaled_dot_product_attention"),
+    (torch, "matmul"),
+    (torch.Tensor, "matmul"),
+    (torch.Tensor, "__matmul__"),
+)
+_FP32 = ((torch.nn.functional, "cross_entropy"),)
+
+
+@contextmanager
+def meta_autocast(dtype: torch.dtype) -> Iterator[None]:
+    """torch.autocast's casts for meta tensors, which have no autocast dispatch key: while
+    active, the ops of `_LOWER` cast their fp32 meta inputs to `dtype` first, and a weight (an
+    fp32 leaf that requires grad) once for the whole context, as autocast's cast cache does;
+    those of `_FP32` cast low-precision inputs to fp32. So the copies saved for backward are
+    those of a CPU autocast run (tests/test_dryrun.py compares them). The functions are patched, not intercepted by a mode: checkpointed blocks recompute
+    inside backward, where a mode entered here would not reach."""
+    cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def cast(t: object) -> object:
+        if not (isinstance(t, torch.Tensor) and t.device.type == "meta"):
+            return t
+        if not t.is_floating_point() or t.dtype in (torch.float64, dtype):
+            return t
+        if t.dtype == torch.float32 and t.requires_grad and t.is_leaf and not t._is_view():
+            if id(t) not in cache:  # keep t alive with its copy: its id is not reused meanwhile
+                cache[id(t)] = (t, t.to(dtype))
+            return cache[id(t)][1]
+        return t.to(dtype)
+
+    def widen(t: object) -> object:
+        meta = isinstance(t, torch.Tensor) and t.device.type == "meta"
+        return t.float() if meta and t.dtype in (torch.bfloat16, torch.float16) else t
+
+    def casting(fn: Callable, to: Callable) -> Callable:
+        def op(*args: object, **kwargs: object) -> object:
+            return fn(*map(to, args), **{k: to(v) for k, v in kwargs.items()})
+
+        return op
+
+    originals = [(owner, name, getattr(owner, name), cast) for owner, name in _LOWER]
+    originals += [(owner, name, getattr(owner, name), widen) for owner, name in _FP32]
+    for owner, name, fn, to in originals:
+        setattr(owner, name, casting(fn, to))
+    try:
+        yield
+    finally:
+        for owner, name, fn, _ in originals:
+            setattr(owner, name, fn)
 
 
 class LossScaler:
