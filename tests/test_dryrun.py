@@ -106,6 +106,7 @@ BF16 = {
     **{n: LAYOUTS[n] for n in ("pp2 cp2, Ulysses, full recompute, GQA",)},
     "tp2 pp2, SP": (SMALL, ParallelConfig(2, 2, 1, sequence_parallel=True)),
     "tp2 pp2 dp2, SP, full recompute, ZeRO-1": LAYOUTS["tp2 pp2 dp2, SP, full recompute, ZeRO-1"],
+    "llama pp2 dp2, interleaved": LAYOUTS["llama pp2 dp2, interleaved"],  # SwiGLU, RMSNorm
 }
 
 
