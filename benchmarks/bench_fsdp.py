@@ -53,12 +53,11 @@ import argparse
 import contextlib
 import inspect
 import statistics
-import time
 from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
-from harness import BACKEND, BATCH, CONFIG, TINY, _TimedWork, batch, interleaved, load
+from harness import BACKEND, BATCH, CONFIG, TINY, batch, interleaved, load, patched_communication
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -188,31 +187,18 @@ def communication() -> Iterator[dict[str, float]]:
     """Wall seconds inside collectives ("time": calls and waits on their work handles, as
     harness.timed_communication) and elements all-gathered (output size), reduce-scattered
     (input size) and all-reduced by this rank."""
-    originals = {n: getattr(dist, n) for n in KINDS}
     acc = {"time": 0.0, "all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
-    box = {"collective": 0.0}  # what harness._TimedWork adds a wait's time to
 
-    def wrap(fn: Callable, kind: str) -> Callable:
-        signature = inspect.signature(fn)
+    def count(name: str, bound: inspect.BoundArguments) -> None:
+        kind = KINDS[name]
+        args = list(bound.arguments.values())  # (output, input, ...)
+        acc[kind] += args[1 if kind == "reduce_scatter" else 0].numel()
 
-        def counted(*a: object, **k: object) -> object:
-            args = list(signature.bind(*a, **k).arguments.values())  # (output, input, ...)
-            acc[kind] += args[1 if kind == "reduce_scatter" else 0].numel()
-            t = time.perf_counter()
-            out = fn(*a, **k)
-            box["collective"] += time.perf_counter() - t
-            return _TimedWork(out, box, "collective") if isinstance(out, dist.Work) else out
-
-        return counted
-
-    for n, kind in KINDS.items():
-        setattr(dist, n, wrap(originals[n], kind))
-    try:
-        yield acc
-    finally:
-        for n, fn in originals.items():
-            setattr(dist, n, fn)
-        acc["time"] = box["collective"]
+    with patched_communication(dict.fromkeys(KINDS, "collective"), count) as timed:
+        try:
+            yield acc
+        finally:
+            acc["time"] = timed["collective"]
 
 
 def rows(config: GPTConfig, step: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,6 +7,7 @@ Timings on a shared machine are noisy: compare variants within one run, alternat
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import statistics
 import time
@@ -88,6 +89,39 @@ class _TimedWork:
 
 
 @contextlib.contextmanager
+def patched_communication(
+    buckets: dict[str, str], on_call: Callable[[str, inspect.BoundArguments], None] | None = None
+) -> Iterator[dict[str, float]]:
+    """While active, the torch.distributed functions named in `buckets` (name -> bucket) are
+    wrapped: the wall time of each call, and of the wait() of the work handle it returns, is
+    summed per bucket into the yielded dict; `on_call(name, its bound arguments)` runs first
+    (outside the timing), if given."""
+    originals = {n: getattr(dist, n) for n in buckets}
+    acc = dict.fromkeys(buckets.values(), 0.0)
+
+    def wrap(name: str, fn: Callable, bucket: str) -> Callable:
+        signature = inspect.signature(fn) if on_call is not None else None
+
+        def timed(*a: object, **k: object) -> object:
+            if on_call is not None:
+                on_call(name, signature.bind(*a, **k))
+            t = time.perf_counter()
+            out = fn(*a, **k)
+            acc[bucket] += time.perf_counter() - t
+            return _TimedWork(out, acc, bucket) if isinstance(out, dist.Work) else out
+
+        return timed
+
+    for n, bucket in buckets.items():
+        setattr(dist, n, wrap(n, originals[n], bucket))
+    try:
+        yield acc
+    finally:
+        for n, fn in originals.items():
+            setattr(dist, n, fn)
+
+
+@contextlib.contextmanager
 def timed_communication() -> Iterator[dict[str, float]]:
     """Accumulate wall time spent in torch.distributed communication (what tpedu calls).
 
@@ -108,22 +142,5 @@ def timed_communication() -> Iterator[dict[str, float]]:
         "isend": "p2p",
         "irecv": "p2p",
     }
-    originals = {n: getattr(dist, n) for n in kinds}
-    acc = {"collective": 0.0, "p2p": 0.0}
-
-    def wrap(fn: Callable, kind: str) -> Callable:
-        def timed(*a: object, **k: object) -> object:
-            t = time.perf_counter()
-            out = fn(*a, **k)
-            acc[kind] += time.perf_counter() - t
-            return _TimedWork(out, acc, kind) if isinstance(out, dist.Work) else out
-
-        return timed
-
-    for n, kind in kinds.items():
-        setattr(dist, n, wrap(originals[n], kind))
-    try:
+    with patched_communication(kinds) as acc:
         yield acc
-    finally:
-        for n, fn in originals.items():
-            setattr(dist, n, fn)

@@ -100,14 +100,18 @@ def test_dry_run_equals_real_ranks(name):
 # .meta_autocast); real CPU ranks run torch.autocast. Every layout: the same bytes held, saved
 # and sent, tensor by tensor in dtype, and every difference from the ledger and the what-if named.
 BF16 = {
-    **{n: LAYOUTS[n] for n in ("tp2 pp2 dp2", "tp4 pp2, KV heads replicated, selective")},
-    **{n: LAYOUTS[n] for n in ("tp2 only (train's TP loop), replicated untied embedding",)},
-    **{n: LAYOUTS[n] for n in ("dp2 cp2, ring, contiguous, selective", "tp2 dp2 ZeRO-3")},
-    **{n: LAYOUTS[n] for n in ("pp2 cp2, Ulysses, full recompute, GQA",)},
-    "tp2 pp2, SP": (SMALL, ParallelConfig(2, 2, 1, sequence_parallel=True)),
-    "tp2 pp2 dp2, SP, full recompute, ZeRO-1": LAYOUTS["tp2 pp2 dp2, SP, full recompute, ZeRO-1"],
-    "llama pp2 dp2, interleaved": LAYOUTS["llama pp2 dp2, interleaved"],  # SwiGLU, RMSNorm
-}
+    name: LAYOUTS[name]
+    for name in (
+        "tp2 pp2 dp2",
+        "tp4 pp2, KV heads replicated, selective",
+        "tp2 only (train's TP loop), replicated untied embedding",
+        "dp2 cp2, ring, contiguous, selective",
+        "tp2 dp2 ZeRO-3",
+        "pp2 cp2, Ulysses, full recompute, GQA",
+        "tp2 pp2 dp2, SP, full recompute, ZeRO-1",
+        "llama pp2 dp2, interleaved",  # SwiGLU, RMSNorm
+    )
+} | {"tp2 pp2, SP": (SMALL, ParallelConfig(2, 2, 1, sequence_parallel=True))}
 
 
 @pytest.mark.parametrize("name", list(BF16))

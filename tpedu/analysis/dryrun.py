@@ -700,7 +700,7 @@ def _param_terms(fig: RankFigures, config: GPTConfig, parallel: ParallelConfig) 
     ledger_block = sharded // tp + replicated
     ledger_blocks = math.ceil(c.n_layers / pp)
     rows = padded_vocab(c.vocab_size, tp) // tp  # the ledger's ceil(V/t)
-    table = rows if c.vocab_parallel else c.vocab_size
+    table = _table_rows(c, tp)
     positions = c.seq_len * h if c.position == "learned" else 0
     final_norm = 2 * h if (c.bias and c.norm == "layernorm") else h
     terms = []
@@ -746,7 +746,7 @@ def _layer_terms(
     c, t, sp, rc = config, parallel.tp, parallel.sequence_parallel, parallel.recompute
     low = dtype != "fp32"
     s, b, h, a = c.seq_len, micro, c.hidden, c.n_heads
-    e = 2 if low else VALUE_BYTES  # bytes of a value the matmuls make (autocast: bf16)
+    e = _value_bytes(dtype)
     rep = t if sp else 1
     sbh = s * b * h
     paper = activation_bytes_per_layer(s, b, h, a, t, sp, rc)
@@ -819,6 +819,16 @@ def _layer_terms(
     return out
 
 
+def _value_bytes(dtype: str) -> int:
+    """Bytes of a value the matmuls make: 2 under bf16 autocast, else fp32's 4."""
+    return 2 if dtype != "fp32" else VALUE_BYTES
+
+
+def _table_rows(config: GPTConfig, t: int) -> int:
+    """Rows of the embedding table (and of a tied head) on one of t TP ranks."""
+    return padded_vocab(config.vocab_size, t) // t if config.vocab_parallel else config.vocab_size
+
+
 def _embedding_saved(config: GPTConfig, parallel: ParallelConfig, micro: int) -> tuple[str, int]:
     """(what, bytes) the embedding saves for backward per micro-batch (dropout 0): its token
     ids (int64; vocab-parallel: the local ids and the foreign-id mask) and the position ids
@@ -845,7 +855,7 @@ def _head_saved(
     [b, s, Vp/t], local targets (int64), two masks and the token count, or F.cross_entropy's
     log-softmax [b·s, V], targets and total weight (fp32 under autocast too)."""
     c, t, sp = config, parallel.tp, parallel.sequence_parallel
-    e = 2 if dtype != "fp32" else VALUE_BYTES  # the head matmul's input, as autocast casts it
+    e = _value_bytes(dtype)  # the head matmul's input, as autocast casts it
     b, s, h = micro, c.seq_len, c.hidden
     rep = t if sp else 1
     norm = b * s // rep * h * VALUE_BYTES + 2 * b * s // rep * 4
@@ -872,8 +882,7 @@ def _weight_copies(config: GPTConfig, parallel: ParallelConfig, fig: RankFigures
     block = 0 if parallel.recompute == "full" else row + (0 if sp else column)
     head = 0
     if fig.last:
-        rows = padded_vocab(c.vocab_size, t) // t if c.vocab_parallel else c.vocab_size
-        head = 0 if (sp and c.vocab_parallel) else rows * h
+        head = 0 if (sp and c.vocab_parallel) else _table_rows(c, t) * h
     return 2 * (fig.blocks * block + head)
 
 
@@ -1300,9 +1309,11 @@ def _traffic_comparisons(
 
     emb_terms = []
     if pp > 1 and c.tie_embeddings and (fig.first or fig.last):
-        rows = padded_vocab(c.vocab_size, tp) // tp if c.vocab_parallel else c.vocab_size
         emb_terms.append(
-            Term("tied embedding: the two copies' gradients summed", rows * c.hidden * e)
+            Term(
+                "tied embedding: the two copies' gradients summed",
+                _table_rows(c, tp) * c.hidden * e,
+            )
         )
     out.append(Comparison("emb traffic", measured["emb"], 0.0, "what-if", tuple(emb_terms)))
     out.append(
@@ -1366,7 +1377,7 @@ def _cp_comparison(
     group carries: the loss's mean over the whole sequence and the gradients' sum. Under bf16
     autocast the K/V blocks (Ulysses: q, k, v and the output) are the QKV matmul's bf16."""
     c, t, cp, m = config, parallel.tp, parallel.cp, fig.micro_batches
-    e = 2 if fig.dtype != "fp32" else VALUE_BYTES  # the attention core's values
+    e = _value_bytes(fig.dtype)  # the attention core's values
     d = c.hidden // c.n_heads
     nkv = c.kv_heads // t if t <= c.kv_heads else 1
     layers = m * fig.blocks  # block forwards (and backwards) in the step

@@ -595,9 +595,7 @@ def load(
     config = chunks[0].config
     tp, rank = chunks[0].tp, dist.get_rank(chunks[0].group) if dist.is_initialized() else 0
     sharded = hasattr(opt, "load_pieces")  # ZeRO: keep only this rank's shards' elements
-    inner, managed = _optimizer_view(opt)
-    if sharded:
-        inner, managed = None, set()
+    inner, managed = (None, set()) if sharded else _optimizer_view(opt)
     error: BaseException | None = None
     staged: list[tuple[torch.Tensor, torch.Tensor]] = []
     states: dict[nn.Parameter, dict[str, torch.Tensor]] = {}

@@ -296,9 +296,9 @@ def check_cp_step() -> tuple[bool, str]:
     )
 
 
-def _finish_grads_summed(self: zero.FlatBuffer, drop: bool = True) -> None:
+def _finish_grads_summed(self: zero.FlatBuffer) -> None:
     if self.grad_work is None:
-        self.reduce_grads(drop)
+        self.reduce_grads()
     self.grad_work.wait()
     self.shard.grad = self.grad_out.to(self.shard.dtype)  # BUG: the sum over N ranks, not the mean
     self.ready, self.grad_out, self.grad_work = 0, None, None

@@ -110,17 +110,35 @@ def _bad_id_is_refused() -> str:
     raise AssertionError(f"token id {SMALL.vocab_size} of a {SMALL.vocab_size}-token model ran")
 
 
+def _corpus() -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(0, SMALL.vocab_size, (4000,), generator=g)
+
+
+def _straight_and_resumed(
+    cfg: TrainConfig, tmp: str, go: Callable[[TrainConfig], list[float]]
+) -> tuple[list[float], list[float]]:
+    """The losses of `go(cfg)` (4 steps), and of steps 2-3 resumed from a run that saved at
+    step 2 under `tmp`."""
+    straight = go(cfg)
+    go(dataclasses.replace(cfg, ckpt_dir=tmp, save_every=2))
+    return straight, go(dataclasses.replace(cfg, resume=f"{tmp}/step_00000002"))
+
+
+RESUME_CFG = TrainConfig(steps=4, batch=4, warmup=1, eval_every=0, progress=False)
+
+
 def _resume(tmp: str, backend: str) -> str:
     """4 fp16 steps straight vs 2, save, resume 2: the same losses, bit for bit? (On a GPU
     this also asks whether attention's backward is deterministic.)"""
-    g = torch.Generator().manual_seed(0)
-    data = torch.randint(0, SMALL.vocab_size, (4000,), generator=g)
-    cfg = TrainConfig(steps=4, batch=4, warmup=1, eval_every=0, progress=False, dtype="fp16")
-    straight = launch(train, 1, SMALL, cfg, data, data, backend=backend)[0]["losses"]
-    saving = dataclasses.replace(cfg, ckpt_dir=tmp, save_every=2)
-    launch(train, 1, SMALL, saving, data, data, backend=backend)
-    resume = dataclasses.replace(cfg, resume=f"{tmp}/step_00000002")
-    resumed = launch(train, 1, SMALL, resume, data, data, backend=backend)[0]["losses"]
+    data = _corpus()
+
+    def go(c: TrainConfig) -> list[float]:
+        return launch(train, 1, SMALL, c, data, data, backend=backend)[0]["losses"]
+
+    straight, resumed = _straight_and_resumed(
+        dataclasses.replace(RESUME_CFG, dtype="fp16"), tmp, go
+    )
     if resumed != straight[2:]:
         raise AssertionError(f"resumed losses {resumed} vs straight {straight[2:]}")
     return "fp16, save at step 2 of 4, resume: the same losses bit for bit"
@@ -132,9 +150,7 @@ ZERO_REL = 1e-4  # fp32 on another device sums in other orders (≈1e-6); a wron
 def _zero3(ranks: int, backend: str, tmp: str) -> str:
     """ZeRO-3 at dp `ranks` on this device: 4 fp32 steps straight, and 2 + save + resume 2,
     against plain training on the CPU (computed here, before any rank touches CUDA)."""
-    g = torch.Generator().manual_seed(0)
-    data = torch.randint(0, SMALL.vocab_size, (4000,), generator=g)
-    cfg = TrainConfig(steps=4, batch=4, warmup=1, eval_every=0, progress=False)
+    data, cfg = _corpus(), RESUME_CFG
     on_gpu = os.environ.pop("TPEDU_DEVICE", None)  # the reference on CPU ranks
     try:
         ref = launch(train, 1, SMALL, cfg, data, data, backend="gloo")[0]["losses"]
@@ -144,13 +160,10 @@ def _zero3(ranks: int, backend: str, tmp: str) -> str:
     par = ParallelConfig(dp=ranks, zero=3)
 
     def go(c: TrainConfig) -> list[float]:
-        return launch(train, ranks, SMALL, c, data, data, parallel=par, backend=backend)[0][
-            "losses"
-        ]
+        first = launch(train, ranks, SMALL, c, data, data, parallel=par, backend=backend)[0]
+        return first["losses"]
 
-    straight = go(cfg)
-    go(dataclasses.replace(cfg, ckpt_dir=tmp, save_every=2))
-    resumed = go(dataclasses.replace(cfg, resume=f"{tmp}/step_00000002"))
+    straight, resumed = _straight_and_resumed(cfg, tmp, go)
     gap = max(abs(a - b) / b for a, b in zip(straight + resumed, ref + ref[2:], strict=True))
     if gap > ZERO_REL:
         raise AssertionError(f"ZeRO-3 losses {straight}, resumed {resumed} vs CPU {ref}")

@@ -61,8 +61,9 @@ class FlatBuffer:
 
     full [N·n]: the parameters are views into it; shard [n]: this rank's slice, what AdamW
     updates; grad_weight [n]: 1 / (ranks holding a copy) per element, 0 for padding and for
-    elements the gradient norm leaves out (a tied head's second copy). `log`: set it to a list
-    to record ("gather" | "free", self, perf_counter()) when the buffer's memory comes and goes
+    elements the gradient norm leaves out (a tied head's second copy). `keep_grads` (ZeRO-1):
+    the parameters' whole .grad stay after the reduce-scatter. `log`: set it to a list to
+    record ("gather" | "free", self, perf_counter()) when the buffer's memory comes and goes
     (lesson 12's timeline)."""
 
     def __init__(
@@ -73,8 +74,10 @@ class FlatBuffer:
         reduce_dtype: torch.dtype | None,
         decayed: bool,
         gather_dtype: torch.dtype | None = None,
+        keep_grads: bool = False,
     ) -> None:
         self.params, self.group, self.reduce_dtype = params, group, reduce_dtype
+        self.keep_grads = keep_grads
         self.gather_dtype = gather_dtype  # all-gather in this dtype (then widened), or as is
         self.narrow: torch.Tensor | None = None  # the gather_dtype buffer while a gather runs
         self.decayed = decayed  # whether AdamW decays this buffer's shard
@@ -164,9 +167,9 @@ class FlatBuffer:
         self.gathered = False
 
     # Gradients: full per-parameter .grad -> this rank's summed shard.
-    def reduce_grads(self, drop: bool = True) -> None:
+    def reduce_grads(self) -> None:
         """Start the async reduce-scatter of the parameters' gradients; drops .grad (ZeRO-2/3)
-        or keeps it (ZeRO-1, drop=False)."""
+        unless `keep_grads` (ZeRO-1)."""
         flat = self.flat(
             [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         )
@@ -176,14 +179,14 @@ class FlatBuffer:
         self.grad_work = collectives.reduce_scatter_into(
             self.grad_out, flat, self.group, async_op=True
         )
-        if drop:
+        if not self.keep_grads:
             for p in self.params:
                 p.grad = None
 
-    def finish_grads(self, drop: bool = True) -> None:
+    def finish_grads(self) -> None:
         """Wait for the reduce-scatter; shard.grad = the mean over the DP ranks."""
         if self.grad_work is None:
-            self.reduce_grads(drop)
+            self.reduce_grads()
         self.grad_work.wait()
         self.shard.grad = self.grad_out.to(self.shard.dtype) / self.size
         self.ready, self.grad_out, self.grad_work = 0, None, None
@@ -319,6 +322,7 @@ class ShardedDataParallel(GradientSync):
                         self.reduce_dtype,
                         decayed,
                         self.gather_dtype,
+                        keep_grads=self.level == 1,
                     )
                     for _, p in part:
                         p.register_post_accumulate_grad_hook(self._grad_hook(buf, late))
@@ -334,7 +338,7 @@ class ShardedDataParallel(GradientSync):
                 return
             buf.ready += 1
             if buf.ready == len(buf.params):
-                buf.reduce_grads(drop=self.level >= 2)
+                buf.reduce_grads()
 
         return hook
 
@@ -384,7 +388,7 @@ class ShardedDataParallel(GradientSync):
         """Reduce-scatter what backward did not (deferred, unused), wait for everything: every
         shard.grad is then the DP mean of its elements."""
         for b in self.buffers:
-            b.finish_grads(drop=self.level >= 2)
+            b.finish_grads()
         for u in self.units:  # a block with an unused parameter never counted to the end
             u.ready = 0
 
@@ -435,9 +439,11 @@ class ShardedDataParallel(GradientSync):
         """Inside: every parameter whole on every DP rank, with exactly its fp32 shard's values
         (a gather_dtype's rounding undone); on exit ZeRO-3 frees them again, and ZeRO-1/2 with
         a gather_dtype go back to the rounded replicas training steps with. One blocking
-        all-gather per buffer (and one more on exit with a gather_dtype)."""
+        all-gather per buffer not already whole and exact (and one more on exit with a
+        gather_dtype)."""
         for b in self.buffers:
-            b.gather_exact()
+            if not (b.gathered and b.gather_dtype is None):  # whole and exact already
+                b.gather_exact()
         try:
             yield
         finally:
@@ -466,8 +472,10 @@ class ShardedDataParallel(GradientSync):
                     collectives.all_gather_into(whole[key], value, b.group)
             for p, piece in zip(b.params, b.slices, strict=True):
                 if id(p) in wanted:
-                    st = {k: v if v.dim() == 0 else v[piece].view_as(p) for k, v in whole.items()}
-                    st = {k: v.clone() for k, v in st.items()}
+                    st = {
+                        k: (v if v.dim() == 0 else v[piece].view_as(p)).clone()
+                        for k, v in whole.items()
+                    }
                     out[id(p)] = (st.pop(""), st)
         return out
 

@@ -69,8 +69,9 @@ def meta_autocast(dtype: torch.dtype) -> Iterator[None]:
     active, the ops of `_LOWER` cast their fp32 meta inputs to `dtype` first, and a weight (an
     fp32 leaf that requires grad) once for the whole context, as autocast's cast cache does;
     those of `_FP32` cast low-precision inputs to fp32. So the copies saved for backward are
-    those of a CPU autocast run (tests/test_dryrun.py compares them). The functions are patched, not intercepted by a mode: checkpointed blocks recompute
-    inside backward, where a mode entered here would not reach."""
+    those of a CPU autocast run (tests/test_dryrun.py compares them). The functions are
+    patched, not intercepted by a mode: checkpointed blocks recompute inside backward, where a
+    mode entered here would not reach."""
     cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def cast(t: object) -> object:
