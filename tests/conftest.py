@@ -19,3 +19,22 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture
+def no_leftover_processes():
+    """After the test: no child process is left, zombies included. A leftover is killed and
+    reaped before the test fails with its command line, so it cannot fail the next test."""
+    from tests.processes import kill_leftovers
+
+    yield
+    left = kill_leftovers()
+    assert not left, "the test left processes behind (now killed):\n" + "\n".join(left)
+
+
+def pytest_report_header(config):
+    """The CPU kernels this run uses: stored notebook outputs must not depend on them."""
+    from tests.kernels import report
+
+    found = report()
+    return "CPU kernels: " + ", ".join(f"{k} {v}" for k, v in found.items() if v)

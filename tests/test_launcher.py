@@ -4,9 +4,6 @@ back-to-back / repeated launches."""
 
 import os
 import signal
-import subprocess
-import sys
-import textwrap
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,26 +13,15 @@ import torch
 import torch.distributed as dist
 
 import tpedu
+from tests.processes import (
+    STARTUP_S,
+    signal_sleeping_ranks,
+    sleeping_ranks_script,
+    wait_for_ranks,
+)
 from tpedu import LaunchTimeout, RankError, launch
 
-
-def _children() -> list[tuple[int, str]]:
-    """(pid, state) of every process whose parent is this one, zombies included."""
-    me, found = os.getpid(), []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == me:
-            found.append((int(stat.parent.name), fields[0]))
-    return found
-
-
-@pytest.fixture(autouse=True)
-def no_leftover_processes():
-    yield
-    assert _children() == [], "a launch left a rank process (or a zombie) behind"
+pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 
 
 def rank_info(scale):
@@ -143,40 +129,40 @@ def test_back_to_back_launches_with_failures_in_between():
         assert [o["rank"] for o in launch(rank_info, 2, 1.0)] == [0, 1]
 
 
-def signal_sleeping_ranks(tmp_path: Path, sig: signal.Signals, catch: str, say: str):
-    """Start a script that launches 2 ranks which sleep (each writes its pid file to
-    `tmp_path` first); once both run, send `sig` to the script. It catches `catch` and prints
-    `say` (a Python expression over the exception `e`). Returns (its stdout, the ranks' pids)."""
-    script = textwrap.dedent(f"""
-        import os, time
-        import tpedu
-
-        def work():
-            open(os.path.join({str(tmp_path)!r}, f"pid{{os.getpid()}}"), "w").close()
-            time.sleep(60)
-
-        try:
-            tpedu.launch(work, 2, timeout=60)
-        except {catch} as e:
-            print({say}, flush=True)
-    """)
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 30
-    while len(list(tmp_path.glob("pid*"))) < 2 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    pids = [int(p.name[3:]) for p in tmp_path.glob("pid*")]
-    assert len(pids) == 2, "ranks did not start"
-    proc.send_signal(sig)
-    out, _ = proc.communicate(timeout=30)
-    return out, pids
-
-
 def test_ctrl_c_kills_every_rank(tmp_path):
     """SIGINT to the launching process (a kernel interrupt) leaves no rank running."""
     out, pids = signal_sleeping_ranks(tmp_path, signal.SIGINT, "KeyboardInterrupt", '"interrupted"')
     assert "interrupted" in out
     for pid in pids:
         assert not Path(f"/proc/{pid}").exists(), f"rank process {pid} survived Ctrl-C"
+
+
+def test_a_kernel_interrupt_kills_every_rank(tmp_path):
+    """A notebook's interrupt (SIGINT to the kernel's process group) stops every rank, even
+    where the kernel began with SIGINT ignored, as under a Jupyter server started by `nohup` or
+    as a background job: the kernel installs Python's handler while a cell runs."""
+    from jupyter_client.manager import start_new_kernel
+
+    ignored = signal.signal(signal.SIGINT, signal.SIG_IGN)  # the kernel inherits SIGINT ignored
+    try:
+        km, kc = start_new_kernel(kernel_name="python3", startup_timeout=STARTUP_S)
+    finally:
+        signal.signal(signal.SIGINT, ignored)
+    try:
+        cell = sleeping_ranks_script(tmp_path) + "tpedu.launch(work, 2, timeout=600)"
+        msg_id = kc.execute(cell)
+        pids = wait_for_ranks(tmp_path)
+        km.interrupt_kernel()
+        reply = kc.get_shell_msg(timeout=STARTUP_S)
+        while reply["parent_header"].get("msg_id") != msg_id:
+            reply = kc.get_shell_msg(timeout=STARTUP_S)
+        assert reply["content"]["status"] == "error"
+        assert reply["content"]["ename"] == "KeyboardInterrupt"
+        for pid in pids:
+            assert not Path(f"/proc/{pid}").exists(), f"rank process {pid} survived the interrupt"
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
 
 
 def test_device_is_cpu_on_gloo():

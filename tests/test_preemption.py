@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from tests.test_launcher import _children, signal_sleeping_ranks
+from tests.processes import descendants, signal_sleeping_ranks
 from tpedu import launch
 from tpedu.checkpoint import sharded
 from tpedu.cli.commands import _preempted, _resume_command, main
@@ -37,26 +37,7 @@ LINE = re.compile(
 )
 
 
-@pytest.fixture(autouse=True)
-def no_leftover_processes():
-    yield
-    assert _children() == [], "a run left a process (or a zombie) behind"
-
-
-def _pids_under(pid: int) -> list[int]:
-    """Every live descendant of `pid` (the ranks, and anything they started)."""
-    found, todo = [], [pid]
-    while todo:
-        parent = todo.pop()
-        for stat in Path("/proc").glob("[0-9]*/stat"):
-            try:
-                ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            if ppid == parent:
-                found.append(int(stat.parent.name))
-                todo.append(found[-1])
-    return found
+pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 
 
 def _train_until_first_step_then_sigterm(args: list[str], err: Path) -> tuple[int, list[int]]:
@@ -79,7 +60,7 @@ def _train_until_first_step_then_sigterm(args: list[str], err: Path) -> tuple[in
                 break
         else:
             pytest.fail(f"training ended before its first step: {err.read_text()[-2000:]}")
-        ranks = _pids_under(p.pid)
+        ranks = descendants(p.pid)
         p.send_signal(signal.SIGTERM)
         p.stdout.read()
         code = p.wait(timeout=60)

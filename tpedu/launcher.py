@@ -19,6 +19,12 @@ starting ranks misbehave in a Jupyter kernel; each rule below answers one measur
 - the process-group timeout is short; a rank that raises, dies or hangs is detected, every rank
   is killed and joined (no zombies, no orphans), and the *original* failure is raised with its
   rank and traceback (the first error to arrive is often another rank's "connection closed").
+- Ctrl-C (SIGINT, a kernel's interrupt) to the launching process kills every rank and raises
+  KeyboardInterrupt; the ranks ignore SIGINT themselves, so the launcher alone decides. It leaves
+  the caller's own SIGINT handling as it is: a script started with SIGINT ignored (by `nohup`,
+  or as a background job of a non-interactive shell) is not stopped by Ctrl-C; send it SIGTERM.
+  A Jupyter kernel installs Python's handler while a cell runs, so an interrupt stops every
+  rank however the server was started.
 - SIGTERM to the launching process (a cluster taking the node back) is passed on to every rank,
   not turned into a kill: training saves and stops (lesson 14, tpedu.train.preempt). The wait
   for the ranks is then bounded by the collective timeout. When every rank raises a `Stopped`
