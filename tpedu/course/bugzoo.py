@@ -44,7 +44,7 @@ import torch.distributed as dist
 
 from tpedu import model
 from tpedu.comm import collectives
-from tpedu.course.troubleshoot import compare_with_dense
+from tpedu.course.troubleshoot import TOLERANCE, compare_with_dense, summary
 from tpedu.cp import ring
 from tpedu.launcher import device
 from tpedu.model import gpt
@@ -178,8 +178,7 @@ def _vs_dense(
 ) -> tuple[bool, str]:
     ids, tgt = _batch(config, seed)
     cmp = compare_with_dense(config, group, ids, tgt, training=training, **options)
-    name, d = cmp.worst
-    return cmp.ok, f"loss rel diff {cmp.loss_diff:.1e}, worst gradient {name} ({d:.1e})"
+    return cmp.ok, cmp.summary()
 
 
 def check_tp_step() -> tuple[bool, str]:
@@ -290,10 +289,7 @@ def check_cp_step() -> tuple[bool, str]:
         d = ((grads[n] - p.grad).norm() / p.grad.norm().clamp_min(1e-30)).item()
         worst, name = max((worst, name), (d, n))
     diff = abs(loss.item() - want.item()) / want.item()
-    return (
-        diff <= 1e-9 and worst <= 1e-9,
-        f"loss rel diff {diff:.1e}, worst gradient {name} ({worst:.1e})",
-    )
+    return diff <= TOLERANCE and worst <= TOLERANCE, summary(diff, name, worst)
 
 
 def _finish_grads_summed(self: zero.FlatBuffer) -> None:

@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 
 from tpedu.course import bugzoo
-from tpedu.course.troubleshoot import compare_with_dense
+from tpedu.course.claims import within
+from tpedu.course.troubleshoot import TOLERANCE, compare_with_dense
 from tpedu.launcher import device, launch
 from tpedu.model.dense import DenseGPT
 from tpedu.model.gpt import TPGPT
@@ -93,12 +94,11 @@ def _see_loss() -> str:
     ids, tgt = bugzoo._batch(bugzoo.GPT2)
     other = replace(bugzoo.GPT2, vocab_size=38)
     cmp = compare_with_dense(other, None, *bugzoo._batch(other))
-    worst = compare_with_dense(bugzoo.GPT2, None, ids, tgt).worst
+    first = compare_with_dense(bugzoo.GPT2, None, ids, tgt)
     return (
         _curve_text(bugzoo.GPT2, label=" (vocabulary 37)")
-        + f"\n  worst gradient at step 0: {worst[0]} (rel diff {worst[1]:.1e})"
-        + f"\nthe same model with vocabulary 38: loss rel diff {cmp.loss_diff:.1e}, worst "
-        + f"gradient {cmp.worst[1]:.1e}"
+        + f"\n  at step 0: {first.summary()}"
+        + f"\nthe same model with vocabulary 38: {cmp.summary()}"
     )
 
 
@@ -113,8 +113,7 @@ def _see_tokens() -> str:
     got = vocab_parallel.vocab_parallel_argmax(padded[:, r * n : (r + 1) * n], v)
     mine = _per_rank(got)
     lines = [
-        f"training step vs tp=1: loss rel diff {train.loss_diff:.1e}, worst gradient "
-        f"{train.worst[1]:.1e}",
+        f"training step vs tp=1: {train.summary()}",
         "greedy next token of 16 rows, from the same logits:",
         "  tp=1 (dense) " + " ".join(f"{int(i):>2}" for i in full.argmax(-1)),
     ]
@@ -136,8 +135,7 @@ def _see_gqa() -> str:
     return (
         f"GQA model, {bugzoo.LLAMA.n_heads} query heads, {bugzoo.LLAMA.n_kv_heads} KV heads\n"
         + _curve_text(bugzoo.LLAMA)
-        + f"\nthe same model at tp=2: loss rel diff {small.loss_diff:.1e}, worst gradient "
-        + f"{small.worst[1]:.1e}"
+        + f"\nthe same model at tp=2: {small.summary()}"
     )
 
 
@@ -152,7 +150,7 @@ def _see_mesh() -> str:
     line = (
         f"rank {rank}: tp 4 × dp 1 keeps {count[1]} of the dense model's {count[0]} parameters;"
         f" tp 2 × dp 2 (data replica {m.dp_rank}): loss dense {cmp.loss_dense:.6f}, tp "
-        f"{cmp.loss_tp:.6f} (rel diff {cmp.loss_diff:.1e})"
+        f"{cmp.loss_tp:.6f} (rel diff {within(cmp.loss_diff, TOLERANCE)})"
     )
     lines: list = [None] * dist.get_world_size()
     dist.all_gather_object(lines, line)  # every rank's view, printed once

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from tpedu.comm import collectives
+from tpedu.course.claims import within
 from tpedu.launcher import device
 from tpedu.model.dense import DenseGPT
 from tpedu.model.gpt import TPGPT
@@ -61,6 +62,10 @@ class Comparison:
         """Loss and every gradient within TOLERANCE (relative)."""
         return self.loss_diff <= TOLERANCE and self.worst[1] <= TOLERANCE
 
+    def summary(self) -> str:
+        """The loss's and the worst gradient's relative differences, each as a claim."""
+        return summary(self.loss_diff, *self.worst)
+
     def table(self, only_bad: bool = False) -> str:
         """Per-parameter gradient norms, dense vs TP, and their relative difference."""
         head = f"{'parameter':<28} {'|grad| dense':>12} {'|grad| tp':>12} {'rel diff':>9}"
@@ -70,12 +75,23 @@ class Comparison:
             if only_bad and d <= TOLERANCE:
                 continue
             flag = "  <-" if d > TOLERANCE else ""
-            lines.append(f"{name:<28} {a:>12.4e} {b:>12.4e} {d:>9.1e}{flag}")
+            lines.append(f"{name:<28} {a:>12.4e} {b:>12.4e} {within(d, TOLERANCE):>9}{flag}")
         lines.append(
             f"loss dense {self.loss_dense:.6f}  tp {self.loss_tp:.6f}  "
-            f"rel diff {self.loss_diff:.1e}"
+            f"rel diff {within(self.loss_diff, TOLERANCE)}"
         )
         return "\n".join(lines)
+
+
+def summary(loss_diff: float, name: str, worst: float, tol: float = TOLERANCE) -> str:
+    """One line for a step against dense: within `tol` the figures are the CPU's rounding and
+    print as the bound; past it (a bug) the worst gradient is named with its difference."""
+    grads = (
+        f"every gradient {within(worst, tol)}"
+        if worst <= tol
+        else f"worst gradient {name} ({worst:.1e})"
+    )
+    return f"loss rel diff {within(loss_diff, tol)}, {grads}"
 
 
 def compare_with_dense(
