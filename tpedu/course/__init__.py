@@ -3,6 +3,7 @@
     grading         the exercise grader behind `make grade`: exercises/ or solutions/ (every lesson)
     figures_basics  figures for lessons 02–06, drawn from what the code records in a run
     figures_model   figures for lessons 07 and 11: a step's collectives, activations held per stage
+    claims          a lesson's claims, printed at their tolerance (the same on every CPU) and asserted
     gpu_check       the GPU checks, `make gpu-check`: what the CPU test suite cannot show
     bugzoo          real TP bugs as broken variants, each with the check that catches it (lesson 16)
     hunt            the blind bug hunt: zoo bugs applied unnamed, the fixes graded (lesson 16)
