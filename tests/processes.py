@@ -66,7 +66,8 @@ def kill_leftovers() -> list[str]:
 
 
 def sleeping_ranks_script(pid_dir: Path) -> str:
-    """Python that launches 2 ranks which write their pid file into `pid_dir`, then sleep."""
+    """Python that defines `work` for 2 ranks to launch: each writes its pid file into `pid_dir`,
+    then sleeps."""
     return textwrap.dedent(f"""
         import os, time
         import tpedu
