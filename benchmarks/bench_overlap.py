@@ -53,7 +53,7 @@ def worker(reps: int, tokens: int, hidden: int, layers: int) -> dict:
             p.requires_grad_()
     x0 = torch.randn(tokens, hidden)
 
-    def run(col) -> None:  # noqa: ANN001
+    def run(col) -> None:
         x = x0.clone().requires_grad_()
         h = x
         for w1, b1, w2 in ws:

@@ -136,7 +136,7 @@ def worker(
 
     dtype = next(stage.parameters()).dtype
 
-    def step():  # noqa: ANN202 - train's 3D step, at a fixed learning rate
+    def step():  # train's 3D step, at a fixed learning rate
         return step_3d(chunks, opt, mesh, pipe, acts, xs, ys, shape, dtype, dpar, cfg.grad_clip)[0]
 
     first = step().loss

@@ -116,7 +116,7 @@ def _fused_worker(nq, nkv, causal):
     for name, model in models.items():
         xi = x.clone().requires_grad_()
         sizes: list[int] = []
-        pack = lambda t, log=sizes: log.append(t.numel()) or t  # noqa: E731
+        pack = lambda t, log=sizes: log.append(t.numel()) or t
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             y = model(xi)
         (y * x).sum().backward()

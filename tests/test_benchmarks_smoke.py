@@ -17,7 +17,7 @@ from tpedu.train.loop import default_micro_batches
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
-def _bench(name: str):  # noqa: ANN202 - benchmarks/ is a folder of scripts, not a package
+def _bench(name: str):  # benchmarks/ is a folder of scripts, not a package
     if str(BENCHMARKS) not in sys.path:
         sys.path.insert(0, str(BENCHMARKS))
     return importlib.import_module(name)

@@ -6,20 +6,20 @@ import matplotlib
 
 matplotlib.use("Agg")
 
-import matplotlib.pyplot as plt  # noqa: E402
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import matplotlib.pyplot as plt
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 
-import tpedu  # noqa: E402
-from tpedu.course import figures_basics as fb  # noqa: E402
-from tpedu.tp.attention import qkv_rows  # noqa: E402
-from tpedu.tp.dense import DenseMLP  # noqa: E402
-from tpedu.tp.embedding import padded_vocab, vocab_range  # noqa: E402
-from tpedu.tp.mlp import ParallelMLP  # noqa: E402
-from tpedu.tp.operators import copy_to_tp_region, reduce_from_tp_region  # noqa: E402
-from tpedu.tp.vocab_parallel import vocab_parallel_cross_entropy  # noqa: E402
+import tpedu
+from tpedu.course import figures_basics as fb
+from tpedu.tp.attention import qkv_rows
+from tpedu.tp.dense import DenseMLP
+from tpedu.tp.embedding import padded_vocab, vocab_range
+from tpedu.tp.mlp import ParallelMLP
+from tpedu.tp.operators import copy_to_tp_region, reduce_from_tp_region
+from tpedu.tp.vocab_parallel import vocab_parallel_cross_entropy
 
 
 def _texts(fig: plt.Figure) -> list[str]:

@@ -4,23 +4,23 @@ import matplotlib
 
 matplotlib.use("Agg")
 
-import matplotlib.pyplot as plt  # noqa: E402
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import matplotlib.pyplot as plt
+import pytest
+import torch
 
-from tpedu import launch  # noqa: E402
-from tpedu.comm.tracer import phase  # noqa: E402
-from tpedu.course.figures_model import (  # noqa: E402
+from tpedu import launch
+from tpedu.comm.tracer import phase
+from tpedu.course.figures_model import (
     FBAR,
     held_activations,
     labelled_collectives,
     plot_collectives,
     plot_held_activations,
 )
-from tpedu.model.config import GPTConfig  # noqa: E402
-from tpedu.model.dense import DenseGPT  # noqa: E402
-from tpedu.model.gpt import TPGPT  # noqa: E402
-from tpedu.parallel.pipeline.schedules import schedule, simulate  # noqa: E402
+from tpedu.model.config import GPTConfig
+from tpedu.model.dense import DenseGPT
+from tpedu.model.gpt import TPGPT
+from tpedu.parallel.pipeline.schedules import schedule, simulate
 
 
 def _step(config):

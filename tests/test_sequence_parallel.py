@@ -10,7 +10,7 @@ import dataclasses
 
 import pytest
 import torch
-import torch._dynamo  # noqa: F401  (recompute's checkpoint imports it: once here, not per rank)
+import torch._dynamo  # recompute's checkpoint imports it: once here, not per rank
 import torch.distributed as dist
 
 from tpedu import launch

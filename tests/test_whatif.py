@@ -36,13 +36,13 @@ TOY = Hardware(
 
 def test_parameter_count_and_flops_per_token():
     assert GPT3.matmul_params / 175e9 == pytest.approx(1, abs=0.005)  # GPT-3: "175B"
-    L, h, s, V, f = 6, 384, 256, 1000, 1000  # noqa: N806
+    L, h, s, V, f = 6, 384, 256, 1000, 1000
     n = L * (4 * h * h + 2 * h * f) + V * h
     assert SMALL.matmul_params == n
     assert SMALL.flops_per_token() == 6 * n + 12 * L * s * h
     # with full recomputation: Narayanan et al. (2021) eq. 3 per token, exactly (ffn = 4h)
     m = NARAYANAN_1T
-    L, h, s, V = m.n_layers, m.hidden, m.seq_len, m.vocab_size  # noqa: N806
+    L, h, s, V = m.n_layers, m.hidden, m.seq_len, m.vocab_size
     paper = 96 * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
     assert m.flops_per_token(recompute=True) == pytest.approx(paper, rel=1e-12)
     assert m.flops_per_token() == pytest.approx(paper * 3 / 4 + 1.5 * V * h, rel=1e-12)

@@ -553,7 +553,7 @@ def _rank_main(job: _Job, rank: int, port: int, *, conn: Connection, outdir: str
                 world_size=world_size,
                 timeout=datetime.timedelta(seconds=job.collective_timeout),
             )
-        except Exception as e:  # noqa: BLE001 - the parent may retry on another port
+        except Exception as e:  # the parent may retry on another port
             info = (type(e).__name__, str(e), traceback.format_exc(), time.time())
             _report(conn, ("init", info), rank)
         result = job.fn(*job.args, **job.kwargs)
@@ -563,7 +563,7 @@ def _rank_main(job: _Job, rank: int, port: int, *, conn: Connection, outdir: str
         message = ("ok", result)
     except Stopped as e:  # on purpose, every rank agreeing: the exception itself goes back
         message = ("stop", (type(e).__name__, str(e), traceback.format_exc(), time.time(), e))
-    except BaseException as e:  # noqa: BLE001 - every failure must reach the parent
+    except BaseException as e:  # every failure must reach the parent
         message = ("error", (type(e).__name__, str(e), traceback.format_exc(), time.time()))
     _report(conn, message, rank)
 

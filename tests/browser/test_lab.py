@@ -37,16 +37,16 @@ if os.environ.get("TPEDU_BROWSER_TEST") != "1":
 os.environ["SE_AVOID_STATS"] = "true"
 os.environ["SE_OFFLINE"] = "true"
 
-from selenium import webdriver  # noqa: E402
-from selenium.common.exceptions import TimeoutException  # noqa: E402
-from selenium.webdriver.chrome.service import Service  # noqa: E402
-from selenium.webdriver.common.action_chains import ActionChains  # noqa: E402
-from selenium.webdriver.common.by import By  # noqa: E402
-from selenium.webdriver.remote.webelement import WebElement  # noqa: E402
-from selenium.webdriver.support.ui import Select, WebDriverWait  # noqa: E402
+from selenium import webdriver
+from selenium.common.exceptions import TimeoutException
+from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.common.action_chains import ActionChains
+from selenium.webdriver.common.by import By
+from selenium.webdriver.remote.webelement import WebElement
+from selenium.webdriver.support.ui import Select, WebDriverWait
 
-from tpedu.analysis.memory import GB, ledger  # noqa: E402
-from tpedu.analysis.shape import ModelShape  # noqa: E402
+from tpedu.analysis.memory import GB, ledger
+from tpedu.analysis.shape import ModelShape
 
 ROOT = Path(__file__).resolve().parents[2]
 SHOTS = ROOT / "runs" / "browser"

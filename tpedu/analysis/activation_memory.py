@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch._dynamo  # noqa: F401  (see below)
+import torch._dynamo  # see below
 import torch.distributed as dist
 from torch import nn
 

@@ -302,7 +302,7 @@ def attention_as_on_device() -> Iterator[None]:
     here does not reach (tried: the recomputed shapes then differ and checkpoint raises)."""
     original = F.scaled_dot_product_attention
 
-    def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kw):  # noqa: ANN001, ANN202
+    def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kw):
         plain = attn_mask is None and dropout_p == 0.0 and not kw.get("enable_gqa", False)
         if q.device.type == "meta" and plain and q.shape[1] == k.shape[1]:
             flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu

@@ -38,11 +38,15 @@ all-reduce not overlapped (NCCL pipelines them, so this errs on the slow side).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from tpedu.analysis.memory import activation_bytes_per_layer
 from tpedu.analysis.shape import ModelShape
 from tpedu.comm.cost_model import AlphaBeta
 from tpedu.cp.traffic import ring_messages
+
+if TYPE_CHECKING:
+    import ipywidgets
 
 
 @dataclass(frozen=True)
@@ -163,7 +167,7 @@ class Prediction:
         return self.tokens / self.step / self.gpus
 
     def row(self) -> str:
-        ms = lambda x: f"{1e3 * x:9.1f}"  # noqa: E731
+        ms = lambda x: f"{1e3 * x:9.1f}"
         return (
             f"{ms(self.step)} {ms(self.compute)} {ms(self.tp)} {ms(self.bubble)} "
             f"{ms(self.pp)} {ms(self.dp)} {100 * self.mfu:6.1f}% {self.tokens_per_gpu:10,.0f}"
@@ -312,7 +316,7 @@ def published_comparison(efficiency: float = 0.7) -> str:
     return "\n".join(lines)
 
 
-def widget(model: ModelShape | None = None):  # noqa: ANN201 - an ipywidgets box
+def widget(model: ModelShape | None = None) -> ipywidgets.VBox:
     """Sliders for tp, pp, dp, micro-batch and hardware; prints the prediction (notebook 14)."""
     import ipywidgets as w
     from IPython.display import display
@@ -320,7 +324,7 @@ def widget(model: ModelShape | None = None):  # noqa: ANN201 - an ipywidgets box
     model = model or ModelShape(
         n_layers=32, hidden=4096, n_heads=32, vocab_size=128256, seq_len=4096, ffn_hidden=14336
     )
-    pow2 = lambda hi: [2**i for i in range(hi)]  # noqa: E731
+    pow2 = lambda hi: [2**i for i in range(hi)]
     tp = w.SelectionSlider(options=pow2(7), value=8, description="tp")
     pp = w.SelectionSlider(options=pow2(6), value=1, description="pp")
     dp = w.SelectionSlider(options=pow2(10), value=16, description="dp")

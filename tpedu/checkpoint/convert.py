@@ -227,8 +227,8 @@ def check_model_dir(model_dir: str | Path) -> GPTConfig:
     file = model_dir / "model.safetensors"
     try:
         with safe_open(file, "pt") as f:
-            stored = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
-    except Exception as e:  # noqa: BLE001 - safetensors raises its own error type
+            stored = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    except Exception as e:  # safetensors raises its own error type
         raise CheckpointError(f"{file} cannot be read ({e}); the file is damaged") from None
     shapes = dense_shapes(config)
     wrong = [

@@ -306,7 +306,7 @@ def save(
     try:
         if rank0:
             _prepare(root, step)
-    except Exception as e:  # noqa: BLE001 - reported to every rank by _agree
+    except Exception as e:  # reported to every rank by _agree
         error = e
     _agree(error, f"preparing {tmp}")
     try:
@@ -314,7 +314,7 @@ def save(
         tensors, kinds = _rank_tensors(chunks, opt, coords, dp_size)
         if tensors and getattr(mesh, "cp_rank", 0) == 0:  # CP ranks hold the same shards
             _write_shard(tmp, coords, tensors, kinds)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:  # reported to every rank by _agree
         error = e
     _agree(error, f"writing {tmp}")
     final = root / step_name(step)
@@ -324,7 +324,7 @@ def save(
             if scaler is not None:
                 header["loss_scaler"] = scaler.state_dict()
             _finalize(root, tmp, step, header, tok)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         error = e
     _agree(error, f"finalizing {final}")
     return final
@@ -639,7 +639,7 @@ def load(
                         state_pieces.setdefault(key, []).append(opt.shard_piece(p, value))
                 else:
                     states[p] = st
-    except Exception as e:  # noqa: BLE001 - reported to every rank by _agree
+    except Exception as e:
         error = e
     _agree(error, f"loading {path}")
     if sharded:

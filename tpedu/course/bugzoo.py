@@ -108,7 +108,7 @@ def _no_padding_mask(logits_shard: torch.Tensor, start: int, vocab_size: int) ->
     return logits_shard  # BUG: padding columns (logit 0) join the max and the softmax sum
 
 
-def _argmax_one_shard(logits_shard: torch.Tensor, vocab_size: int, group: object = None):  # noqa: ANN202
+def _argmax_one_shard(logits_shard: torch.Tensor, vocab_size: int, group: object = None):
     start = dist.get_rank(group) * logits_shard.shape[-1]
     return logits_shard.argmax(dim=-1) + start  # BUG: this shard's best token, not the model's
 
@@ -122,7 +122,7 @@ def _split_qkv_naive(
 _local_heads = attention.local_heads
 
 
-def _local_heads_modulo(n_heads: int, n_kv_heads: int, tp: int, rank: int):  # noqa: ANN202
+def _local_heads_modulo(n_heads: int, n_kv_heads: int, tp: int, rank: int):
     q, kv = _local_heads(n_heads, n_kv_heads, tp, rank)
     if tp > n_kv_heads:
         kv = [rank % n_kv_heads]  # BUG: should be rank // (tp / nkv), the head its queries use
@@ -153,7 +153,7 @@ def _one_f_one_b_reversed(n_micro: int, n_stages: int, stage: int) -> list:
 _index_dropout = gpt.index_dropout
 
 
-def _dropout_per_rank(x: torch.Tensor, p: float, seed: int, *args: object, **kwargs: object):  # noqa: ANN202
+def _dropout_per_rank(x: torch.Tensor, p: float, seed: int, *args: object, **kwargs: object):
     # BUG: seeding by rank (torch.manual_seed(base + rank)) in a region every rank replicates
     return _index_dropout(x, p, seed + dist.get_rank(), *args, **kwargs)
 
@@ -253,16 +253,16 @@ def check_pipeline() -> tuple[bool, str]:
 # ------------------------------------------------------------------------------------ the zoo
 
 
-def _merge_averaged(out_a, lse_a, out_b, lse_b):  # noqa: ANN001, ANN202
+def _merge_averaged(out_a, lse_a, out_b, lse_b):
     # BUG: the two partial outputs averaged, not weighted by their softmax denominators
     return (out_a + out_b) / 2, torch.logaddexp(lse_a, lse_b)
 
 
-def _positions_from_zero(s: int, cp: int, rank: int, layout: str = "zigzag"):  # noqa: ANN202
+def _positions_from_zero(s: int, cp: int, rank: int, layout: str = "zigzag"):
     return torch.arange(s // cp)  # BUG: every chunk counted from 0, not from its global start
 
 
-def _positions_contiguous(s: int, cp: int, rank: int, layout: str = "zigzag"):  # noqa: ANN202
+def _positions_contiguous(s: int, cp: int, rank: int, layout: str = "zigzag"):
     n = s // cp  # BUG: the data is split zig-zag, the model thinks it holds [r·n, (r+1)·n)
     return torch.arange(rank * n, (rank + 1) * n)
 

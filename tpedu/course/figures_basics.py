@@ -52,7 +52,7 @@ class RingStep:
 def record_ring(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> list[RingStep]:
     """Run `tpedu.comm.ring.ring_all_reduce(x)` and return this rank's state before and after
     each of its 2(t-1) steps. Collective call: every rank of the group calls it."""
-    first = lambda chunks: tuple(float(c.view(-1)[0]) for c in chunks)  # noqa: E731
+    first = lambda chunks: tuple(float(c.view(-1)[0]) for c in chunks)
     t = dist.get_world_size(group)
     states = [RingStep("start", -1, -1, -1, first(x.view(-1).tensor_split(t)))]
 
@@ -394,7 +394,7 @@ def watch_all_reduce() -> Iterator[list[Reduction]]:
     seen: list[Reduction] = []
     original = collectives.all_reduce
 
-    def watched(x: torch.Tensor, group=None, op=dist.ReduceOp.SUM, async_op=False):  # noqa: ANN001, ANN202
+    def watched(x: torch.Tensor, group=None, op=dist.ReduceOp.SUM, async_op=False):
         before = x.detach().clone().cpu()
         out = original(x, group, op=op, async_op=async_op)
         name = str(op).split(".")[-1].upper()

@@ -20,11 +20,15 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from tpedu.comm.tracer import CommRecord, CommTracer
 from tpedu.parallel.pipeline.schedules import Event
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
 
 FBAR = "f\u0304"  # f̄: identity in backward, all-reduce in forward (f is the other way round)
 
@@ -49,10 +53,10 @@ def labelled_collectives(model: torch.nn.Module) -> Iterator[list[Collective]]:
     def mark(label: str) -> None:
         marks.append((len(trace.records), label))
 
-    def before(label: str):  # noqa: ANN202
+    def before(label: str):
         return lambda _module, _args: mark(label)
 
-    def on_grad(label: str):  # noqa: ANN202
+    def on_grad(label: str):
         def hook(_module: torch.nn.Module, _args: tuple, output: torch.Tensor) -> None:
             if isinstance(output, torch.Tensor) and output.requires_grad:
                 output.register_hook(lambda _grad: mark(label))
@@ -98,7 +102,9 @@ def _size(nbytes: float) -> str:
     return f"{nbytes:g} B"
 
 
-def plot_collectives(calls: Sequence[Collective], title: str = "", axes=None):  # noqa: ANN001, ANN201
+def plot_collectives(
+    calls: Sequence[Collective], title: str = "", axes: Sequence[Axes] | None = None
+) -> Sequence[Axes]:
     """One row per phase (forward, backward, then any other), one bar per collective in call
     order: its logical bytes (log scale), coloured by the part of the model, named below.
     Returns the axes."""
@@ -149,7 +155,7 @@ def held_activations(events: Sequence[Event], stage: int) -> tuple[list[float], 
     return times, counts
 
 
-def plot_held_activations(events: Sequence[Event], title: str = "", ax=None):  # noqa: ANN001, ANN201
+def plot_held_activations(events: Sequence[Event], title: str = "", ax: Axes | None = None) -> Axes:
     """One step line per stage: how many micro-batches' activations it holds at each time of
     the step (`held_activations`); each stage's peak in the legend. Returns the axes."""
     import matplotlib.pyplot as plt

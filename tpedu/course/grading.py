@@ -163,7 +163,7 @@ class _Collector:
     def __init__(self) -> None:
         self.scores: dict[str, Score] = {}
 
-    def pytest_runtest_logreport(self, report) -> None:  # noqa: ANN001 - pytest hook
+    def pytest_runtest_logreport(self, report) -> None:  # pytest hook
         if report.when != "call" and not (report.when == "setup" and report.failed):
             return
         name = Path(report.fspath).stem.removeprefix("test_")

@@ -123,7 +123,7 @@ def time_ulysses_exchange(
     return _time(once, group, repeats)
 
 
-def _time(fn, group: dist.ProcessGroup | None, repeats: int) -> float:  # noqa: ANN001
+def _time(fn, group: dist.ProcessGroup | None, repeats: int) -> float:
     dev, times = device(), []
     for i in range(repeats + 1):
         dist.barrier(group=group)

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
-import torch._dynamo  # noqa: F401 - optimizers import it (≈3-5 s): once here, not per forked rank
+import torch._dynamo  # optimizers import it (≈3-5 s): once here, not per forked rank
 import torch.distributed as dist
 from torch import nn
 

@@ -32,11 +32,16 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
 from tpedu.comm import collectives
 from tpedu.tp.sharding import divisors
+
+if TYPE_CHECKING:
+    import ipywidgets
+    from matplotlib.axes import Axes
 
 
 @dataclass(frozen=True)
@@ -202,7 +207,9 @@ class Mesh:
 # ---------------------------------------------------------------------------------- pictures
 
 
-def draw_layout(layout: Layout, gpus_per_node: int = 8, highlight: int = 0, ax=None):  # noqa: ANN001, ANN201
+def draw_layout(
+    layout: Layout, gpus_per_node: int = 8, highlight: int = 0, ax: Axes | None = None
+) -> Axes:
     """Draw the rank grid: one square per rank, grouped into nodes; `highlight`'s groups outlined.
 
     Columns are tp ranks within a stage (×pp stages), rows are dp replicas. Returns the axes.
@@ -275,7 +282,7 @@ def layout_static(world: int = 128, gpus_per_node: int = 8) -> None:
     show_layout(world, gpus_per_node, _default_size(world), _default_size(world), 0)
 
 
-def layout_widget(world: int = 128, gpus_per_node: int = 8):  # noqa: ANN201
+def layout_widget(world: int = 128, gpus_per_node: int = 8) -> ipywidgets.VBox:
     """Pick tp, pp (dp = world / (tp·pp)) and a rank; redraw the grid and print its groups."""
     import ipywidgets as widgets
 

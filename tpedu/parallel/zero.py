@@ -204,12 +204,12 @@ class _GatherForBackward(torch.autograd.Function):
     (autograd runs it just before the block's own backward)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, gather: Callable[[], None]) -> torch.Tensor:  # noqa: ANN001
+    def forward(ctx, x: torch.Tensor, gather: Callable[[], None]) -> torch.Tensor:
         ctx.gather = gather
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # noqa: ANN001
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         ctx.gather()
         return grad, None
 

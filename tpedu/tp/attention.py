@@ -177,7 +177,7 @@ class ParallelAttention(nn.Module):
             )
         self.causal, self.dropout_p, self.dropout_seed = causal, dropout_p, dropout_seed
         self.q_heads, self.kv_heads = local_heads(n_heads, self.n_kv_heads, self.tp, self.rank)
-        split = lambda w: split_qkv(w, n_heads, self.n_kv_heads, self.tp, self.rank)  # noqa: E731
+        split = lambda w: split_qkv(w, n_heads, self.n_kv_heads, self.tp, self.rank)
         self.qkv_weight = nn.Parameter(split(qkv_weight))
         self.qkv_bias = nn.Parameter(split(qkv_bias)) if qkv_bias is not None else None
         self.out_proj = RowParallelLinear(
@@ -286,7 +286,7 @@ class ParallelAttention(nn.Module):
             p,
             self.dropout_p,
             seed,
-            (b, self.n_heads, s, s),  # noqa: E731
+            (b, self.n_heads, s, s),
             (0, self.q_heads[0], 0, 0),
             self.training,
         )

@@ -182,7 +182,7 @@ class DenseAttention(nn.Module):
         k = k.repeat_interleave(nq // nkv, dim=1)
         v = v.view(b, s, nkv, d).transpose(1, 2).repeat_interleave(nq // nkv, dim=1)
         seed = derive_seed(self.dropout_seed, ATTENTION_DROPOUT_SITE, step)
-        drop = lambda p: index_dropout(p, self.dropout_p, seed, training=self.training)  # noqa: E731
+        drop = lambda p: index_dropout(p, self.dropout_p, seed, training=self.training)
         drops = self.training and self.dropout_p > 0  # else attend() may use the fused kernel
         out = attend(q, k, v, self.causal, self.fused, drop if drops else None)
         return self.out(out.transpose(1, 2).reshape(b, s, nq * d))

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-import torch._dynamo  # noqa: F401 - the optimizers import it (≈3-5 s): once here, not per forked rank
+import torch._dynamo  # the optimizers import it (≈3-5 s): once here, not per forked rank
 import torch.distributed as dist
 from tqdm import tqdm
 

@@ -39,7 +39,7 @@ class Pipe:
     wrap_bwd_group: dist.ProcessGroup | None = None
 
     @classmethod
-    def from_mesh(cls, mesh) -> Pipe:  # noqa: ANN001 - tpedu.parallel.mesh.Mesh (no import cycle)
+    def from_mesh(cls, mesh) -> Pipe:  # tpedu.parallel.mesh.Mesh (no import cycle)
         g = mesh.groups
         return cls(
             mesh.pp_rank, mesh.members["pp"], g["pp"], g["pp_grad"], g["pp_wrap"], g["pp_grad_wrap"]

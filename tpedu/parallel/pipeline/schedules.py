@@ -34,6 +34,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+
     from tpedu.model.config import GPTConfig
 
 
@@ -259,7 +261,7 @@ def peak_in_flight(actions: Sequence[Action]) -> int:
     return peak
 
 
-def plot_timeline(events: Sequence[Event], title: str = "", ax=None):  # noqa: ANN001, ANN201
+def plot_timeline(events: Sequence[Event], title: str = "", ax: Axes | None = None) -> Axes:
     """A Gantt chart: one row per stage, forwards blue, backwards green (label = micro-batch),
     waits grey. Times are shifted to start at 0. Returns the axes."""
     import matplotlib.pyplot as plt

@@ -80,5 +80,5 @@ def novel_data(
     """(tokenizer, train ids, val ids) for 红楼梦; the tokenizer is trained once and cached."""
     train_text, val_text = train_val_split(load_novel(), val_chapters)
     tok = tokenizer.build(train_text, kind, bpe_vocab, CACHE_DIR / "tokenizers")
-    as_ids = lambda text: torch.tensor(tok.encode(text), dtype=torch.long)  # noqa: E731
+    as_ids = lambda text: torch.tensor(tok.encode(text), dtype=torch.long)
     return tok, as_ids(train_text), as_ids(val_text)
