@@ -67,7 +67,9 @@ from tpedu.model.config import GPTConfig
 from tpedu.model.dense import DenseGPT
 from tpedu.model.sharded_init import build_sharded
 from tpedu.parallel.mesh import Layout, Mesh
-from tpedu.train.loop import TrainConfig, clip_grads, decayed, grad_norm_sharded, make_sharded
+from tpedu.train.config import TrainConfig
+from tpedu.train.optim import decayed, make_sharded
+from tpedu.train.step import clip_grads, grad_norm_sharded
 
 # Benchmark settings: a constant learning rate (the schedule is not what is compared).
 SETTINGS = TrainConfig(lr=1e-3, weight_decay=0.1, grad_clip=1.0, progress=False)

@@ -6,8 +6,8 @@ the α-β model's predicted communication time next to the measured one, and the
 
 A layout is tp x pp x dp. STRONG scaling: every layout trains on the same global batch
 (harness.BATCH sequences): dp splits it, pp splits each replica's share into m micro-batches
-(train.default_micro_batches: the largest m <= 2·pp dividing it). One step is train's 3D step
-(train.loop.step_3d):
+(train.step.default_micro_batches: the largest m <= 2·pp dividing it). One step is train's step
+(tpedu.train.step.TrainStep):
 pipelined forward + backward (run_schedule, 1F1B), DP bucket all-reduces launched from backward
 hooks, TP gradient fix-ups, gradient norm + clipping, AdamW; the first step's loss is printed
 (the same at every layout, up to rounding).
@@ -36,18 +36,18 @@ from tpedu.comm.cost_model import AlphaBeta, fit, measure
 from tpedu.comm.tracer import CommTracer
 from tpedu.model.config import GPTConfig
 from tpedu.model.dense import DenseGPT
-from tpedu.parallel.data_parallel import DataParallel
+from tpedu.parallel.config import ParallelConfig
 from tpedu.parallel.mesh import Layout, Mesh
-from tpedu.parallel.pipeline.runtime import Pipe, build_stage_chunks
+from tpedu.parallel.pipeline.runtime import build_stage_chunks
 from tpedu.parallel.pipeline.schedules import (
     Event,
     bubble_formula,
     bubble_fraction,
-    partition,
     schedule,
     stage_layers,
 )
-from tpedu.train.loop import TrainConfig, default_micro_batches, make_optimizer, step_3d
+from tpedu.train.config import TrainConfig
+from tpedu.train.step import build_step, split_batch
 
 FIT_SIZES = (4096, 65536, 1 << 20, 4 << 20)
 DEFAULT_LAYOUTS = ["1x1x1", "2x1x1", "1x2x1", "1x1x2", "2x2x1", "2x1x2", "1x2x2"]
@@ -65,16 +65,20 @@ def check_layout(
     config: GPTConfig, layout: Layout, micro: int | None, kind: str = "1f1b", n_chunks: int = 1
 ) -> None:
     """Raise a ValueError (before anything runs) if the benchmark cannot run at `layout`."""
-    config.check(layout.tp)
-    partition(config.n_layers, layout.pp * n_chunks)
-    if BATCH % layout.dp:
-        raise ValueError(f"the global batch {BATCH} is not divisible by dp={layout.dp}")
-    b = BATCH // layout.dp
-    m = micro or default_micro_batches(b, layout.pp)
-    if b % m:
-        raise ValueError(f"{micro} micro-batches do not divide the per-replica batch {b}")
-    if layout.pp > 1:
-        schedule(kind, m, layout.pp, 0, n_chunks)
+    parallel = layout_config(layout, micro, kind, n_chunks)
+    parallel.check(config)
+    _, m = split_batch(BATCH, parallel)
+    schedule(kind, m, layout.pp, 0, n_chunks)
+
+
+def layout_config(
+    layout: Layout, micro: int | None, kind: str = "1f1b", n_chunks: int = 1, split: str = "even"
+) -> ParallelConfig:
+    """The ParallelConfig train would run the layout with."""
+    tp, pp, dp = layout.tp, layout.pp, layout.dp
+    return ParallelConfig(
+        tp, pp, dp, micro_batches=micro, schedule=kind, chunks=n_chunks, stage_split=split
+    )
 
 
 def fit_group_sizes(mesh: Mesh, sizes: tuple[int, ...]) -> dict[int, AlphaBeta]:
@@ -114,8 +118,6 @@ def worker(
     `split`: blocks per pipeline stage, "even" or "flops" (ParallelConfig.stage_split)."""
     mesh = Mesh(Layout(tp, pp, dp))
     dev = tpedu.device()
-    b = BATCH // dp
-    m = micro or default_micro_batches(b, pp)
     fits = fit_group_sizes(mesh, fit_sizes)
     torch.manual_seed(0)
     dense = DenseGPT(config)
@@ -124,20 +126,15 @@ def worker(
         for c in build_stage_chunks(dense, mesh.tp_group, mesh.pp_rank, pp, n_chunks, split)
     ]
     stage = torch.nn.ModuleList(chunks)  # all of this rank's parameters
-    dpar = DataParallel(stage, mesh.dp_group) if dp > 1 else None
-    cfg = TrainConfig()
-    opt = make_optimizer(stage, cfg)
-    pipe = Pipe.from_mesh(mesh)
-    acts = schedule(kind, m, pp, mesh.pp_rank, n_chunks)
+    parallel = layout_config(mesh.layout, micro, kind, n_chunks, split)
+    train_step = build_step(chunks, mesh, parallel, TrainConfig(batch=BATCH, warmup=0))
+    b, m = train_step.per_replica, train_step.micro_batches
     ids, tgt = batch(config)
     mine = slice(mesh.dp_rank * b, (mesh.dp_rank + 1) * b)  # this replica's share
     xs, ys = list(ids[mine].to(dev).chunk(m)), list(tgt[mine].to(dev).chunk(m))
-    shape = (b // m, config.seq_len, config.hidden)
 
-    dtype = next(stage.parameters()).dtype
-
-    def step():  # train's 3D step, at a fixed learning rate
-        return step_3d(chunks, opt, mesh, pipe, acts, xs, ys, shape, dtype, dpar, cfg.grad_clip)[0]
+    def step():  # train's step, at a fixed learning rate (step 0 without warm-up: cfg.lr)
+        return train_step(xs, ys, 0)[0]
 
     first = step().loss
     with CommTracer() as trace:

@@ -25,7 +25,8 @@ from tpedu.model.config import GPTConfig
 from tpedu.model.sharded_init import build_sharded
 from tpedu.parallel.data_parallel import DataParallel
 from tpedu.parallel.mesh import Layout, Mesh
-from tpedu.train.loop import TrainConfig, make_optimizer, make_sharded
+from tpedu.train.config import TrainConfig
+from tpedu.train.optim import make_optimizer, make_sharded
 
 VARIANTS = ("dp", "zero1", "zero2", "zero3", "zero3, no prefetch")
 MB = 2**20

@@ -42,3 +42,15 @@ def pytest_report_header(config):
     except (OSError, subprocess.SubprocessError) as e:  # a header must not stop the run
         return f"CPU kernels: unknown (the probe failed: {e})"
     return "CPU kernels: " + ", ".join(f"{k} {v}" for k, v in found.items() if v)
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    """Starting ranks raises Launched: a refused run never gets there, an accepted one does."""
+    from tests.helpers import Launched
+    from tpedu.cli import commands
+
+    def launch_refused(*args, **kwargs):
+        raise Launched
+
+    monkeypatch.setattr(commands, "run", launch_refused)

@@ -12,7 +12,7 @@ import torch
 import tpedu
 from tpedu.model.dense import DenseGPT
 from tpedu.parallel.mesh import Layout
-from tpedu.train.loop import default_micro_batches
+from tpedu.train.step import default_micro_batches
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 

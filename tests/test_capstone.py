@@ -8,63 +8,13 @@ import shutil
 
 import pytest
 
-import tpedu
+from tests.helpers import make_artefacts
 from tpedu import checkpoint
 from tpedu.course import capstone
-from tpedu.model.dense import DenseGPT
-from tpedu.model.gpt import TPGPT
 from tpedu.parallel.config import ParallelConfig
-from tpedu.serve.generate import generate_batch
-from tpedu.train.data.corpus import novel_data
-from tpedu.train.loop import TrainConfig, train
 
 CHOICE = ParallelConfig(tp=2, pp=2)  # the budget's first fit (tests/exercises/test_l18_capstone)
 NAMES = [name for name, _ in capstone.CHECKS]
-
-
-def _serve(config, path, prompt, new):
-    model = TPGPT(DenseGPT(config)).to(tpedu.device())
-    checkpoint.load(path, model)  # any saved layout -> this rank's shards
-    return generate_batch(model.eval(), [prompt], new, greedy=True)[0]
-
-
-def make_artefacts(work, choice, steps=4, new=8):
-    """The capstone's four steps, as the notebook runs them, writing into `work`."""
-    tok, train_ids, val_ids = novel_data("char")
-    config = capstone.BUDGET.model(tok.vocab_size)
-    (work / "choice.json").write_text(json.dumps(choice.to_dict()))
-    cfg = TrainConfig(
-        steps=steps,
-        batch=capstone.BUDGET.batch,
-        lr=1e-2,
-        warmup=2,
-        eval_every=0,
-        progress=False,
-        ckpt_dir=str(work / "ckpt"),
-        save_every=steps - 1,
-    )
-    run = tpedu.launch(
-        train, choice.world, config, cfg, train_ids, val_ids, tok=tok, parallel=choice
-    )
-    (work / "train.json").write_text(json.dumps(run[0]))
-    checkpoint.reshard(work / "ckpt" / checkpoint.step_name(steps - 1), work / "resharded", tp=1)
-    there = checkpoint.read_parallel(work / "resharded")
-    again = TrainConfig(
-        **{**cfg.__dict__, "ckpt_dir": str(work / "resumed"), "resume": str(work / "resharded")}
-    )
-    run = tpedu.launch(
-        train, there.world, config, again, train_ids, val_ids, tok=tok, parallel=there
-    )
-    (work / "resumed.json").write_text(json.dumps(run[0]))
-    prompt = tok.encode("宝玉")
-    ids = {
-        str(tp): tpedu.launch(_serve, tp, config, str(work / "resumed"), prompt, new)[0]
-        for tp in sorted({1, choice.tp})
-    }
-    text = tok.decode(ids["1"][len(prompt) :])
-    gen = {"prompt": prompt, "max_new_tokens": new, "ids": ids, "text": text}
-    (work / "generated.json").write_text(json.dumps(gen, ensure_ascii=False))
-    return work
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,8 @@ from tpedu.model.dense import DenseGPT
 from tpedu.model.gpt import TPGPT
 from tpedu.model.state import shard_map
 from tpedu.parallel.config import ParallelConfig
-from tpedu.train.loop import TrainConfig, train
+from tpedu.train.config import TrainConfig
+from tpedu.train.loop import train
 
 V = 41  # prime: the vocab-parallel table is padded at tp = 2 (42 rows) and 4 (44)
 # Tied embeddings (+ the last stage's copy at pp > 1), biases, learned positions, and GQA with a

@@ -14,20 +14,11 @@ import sys
 
 import pytest
 
+from tests.helpers import cli  # the CLI in this process: (exit code, stdout, stderr)
 from tpedu.cli.commands import main
 from tpedu.launcher import free_port
 
 SMALL = "--layers 2 --hidden 32 --heads 4 --seq 16 --batch 4 --steps 3 --eval-every 1".split()
-
-
-def tpedu(capfd, *args):
-    """Run the CLI in this process (its ranks are forked from here): exit code, stdout, stderr."""
-    try:
-        code = main(list(args))
-    except SystemExit as e:
-        code = e.code
-    out, err = capfd.readouterr()
-    return code, out, err
 
 
 def read_summary(path):
@@ -55,7 +46,7 @@ def same(got, ref):
 
 def test_train_2x2x2_plainly_on_8_ranks(reference, tmp_path, capfd):
     args = ["train", *"--tp 2 --pp 2 --dp 2".split(), *SMALL, "--stage-split", "flops"]
-    code, out, err = tpedu(capfd, *args, "--json", str(tmp_path / "s.json"))
+    code, out, err = cli(capfd, *args, "--json", str(tmp_path / "s.json"))
     assert code == 0, err
     summary = json.loads(out[out.index("{") :])
     assert (summary["tp"], summary["pp"], summary["dp"]) == (2, 2, 2)
@@ -136,7 +127,7 @@ def test_two_node_torchrun_on_loopback(reference, tmp_path):
     ],
 )
 def test_bad_layouts_are_one_line_errors(args, message, capfd):
-    code, _, err = tpedu(capfd, "train", *args)
+    code, _, err = cli(capfd, "train", *args)
     assert code == 2
     assert message in err and len(err.strip().splitlines()) == 1, err
 
@@ -146,7 +137,7 @@ def test_train_with_zero_stages(reference, tmp_path, capfd, flags):
     """`--zero N` over 2 DP replicas (`--zero1` = `--zero 1`): the one-process run's numbers;
     the summary names the stage."""
     args = ["train", "--dp", "2", *SMALL, *flags, "--json", str(tmp_path / "s.json")]
-    code, out, err = tpedu(capfd, *args)
+    code, out, err = cli(capfd, *args)
     assert code == 0, err
     got = read_summary(tmp_path / "s.json")
     same(got, reference)
@@ -154,5 +145,5 @@ def test_train_with_zero_stages(reference, tmp_path, capfd, flags):
 
 
 def test_bad_zero_stage_exits_2(capfd):
-    code, _, err = tpedu(capfd, "train", "--dp", "2", *SMALL, "--zero", "4")
+    code, _, err = cli(capfd, "train", "--dp", "2", *SMALL, "--zero", "4")
     assert code == 2 and "invalid choice: 4" in err

@@ -5,28 +5,24 @@ The CLI runs in this process (`main`), as in tests/test_cli_3d.py; models and ch
 written directly (no training run) to keep this fast.
 """
 
-import json
-
 import pytest
 import torch
-from safetensors.torch import save_file
 
-from tests.test_cli_3d import tpedu  # runs the CLI in this process: (exit code, stdout, stderr)
+from tests.helpers import (  # the CLI in this process: (exit code, stdout, stderr)
+    Launched,
+    cli,
+    launches,
+    one_line_error,
+    tiny_config,
+    write_model_dir,
+)
 from tpedu import checkpoint, launch
 from tpedu.cli.commands import main
-from tpedu.model.config import GPTConfig
 from tpedu.model.dense import DenseGPT
 from tpedu.train.data.corpus import novel_data
 from tpedu.train.generate import generate
 
 TINY = "--layers 1 --hidden 32 --heads 2 --seq 16 --batch 2 --steps 1".split()
-
-
-def one_line_error(capfd, args, message):
-    code, _, err = tpedu(capfd, *args)
-    assert code == 2, err
-    assert message in err and len(err.strip().splitlines()) == 1, err
-    assert "Traceback" not in err
 
 
 @pytest.fixture(scope="module")
@@ -80,26 +76,6 @@ def test_nccl_needs_a_gpu_per_rank(capfd):
     )
 
 
-def tiny_config(vocab_size, **overrides):
-    return GPTConfig.gpt2_like(
-        vocab_size, **{"seq_len": 16, "n_layers": 1, "hidden": 32, "n_heads": 2, **overrides}
-    )
-
-
-def write_model_dir(path, config, tok=None, **legacy):
-    """A dense model directory as `train --out` writes it (random weights, seed 0); `legacy`:
-    fields tpedu 0.1 also kept in the model config."""
-    torch.manual_seed(0)
-    state = DenseGPT(config).state_dict()
-    path.mkdir(parents=True)
-    save_file({k: v.contiguous() for k, v in state.items()}, path / "model.safetensors")
-    meta = {"model": {**config.to_dict(), **legacy}, "train": {}, "format": "tpedu-dense-1"}
-    (path / "config.json").write_text(json.dumps(meta))
-    if tok is not None:
-        tok.save(path / "tokenizer.json")
-    return state
-
-
 def test_generate_with_a_sequence_parallel_model(tmp_path, capfd):
     """A tpedu 0.1 model directory whose config.json says sequence_parallel: true (a run-time
     field inside the model config): generation ignores it (the growing sequence is not always
@@ -108,7 +84,7 @@ def test_generate_with_a_sequence_parallel_model(tmp_path, capfd):
     config = tiny_config(tok.vocab_size)
     state = write_model_dir(tmp_path / "sp", config, tok, sequence_parallel=True)
     args = "generate --tp 2 --prompt 宝玉 --max-new-tokens 5".split()
-    code, out, err = tpedu(capfd, *args, "--model", str(tmp_path / "sp"))
+    code, out, err = cli(capfd, *args, "--model", str(tmp_path / "sp"))
     assert code == 0, err
     ids = launch(generate, 1, config, state, tok.encode("宝玉"), 5)[0]
     assert out.strip().splitlines()[-1] == tok.decode(ids)
@@ -118,7 +94,7 @@ def test_reshard_a_dense_model_dir_to_hf(tmp_path, capfd):
     transformers = pytest.importorskip("transformers")
     config = tiny_config(37)
     state = write_model_dir(tmp_path / "m", config)
-    code, out, err = tpedu(
+    code, out, err = cli(
         capfd, "reshard", str(tmp_path / "m"), "--to", "hf", "--out", str(tmp_path / "hf")
     )
     assert code == 0, err
@@ -180,28 +156,6 @@ def test_resume_layout_is_checked_on_the_checkpoints_layers(tmp_path, capfd):
 
 
 # ---------------------------------------------------- refused before launch: no rank may start
-
-
-class Launched(Exception):
-    """Raised by the patched launcher: the CLI got as far as starting ranks."""
-
-
-@pytest.fixture
-def no_launch(monkeypatch):
-    """Starting ranks raises Launched: a refused run never gets there, an accepted one does."""
-    from tpedu.cli import commands
-
-    def launch_refused(*args, **kwargs):
-        raise Launched
-
-    monkeypatch.setattr(commands, "run", launch_refused)
-
-
-def launches(*args):
-    """True if `python -m tpedu *args` passes every check and starts ranks (with no_launch)."""
-    with pytest.raises(Launched):
-        main(list(args))
-    return True
 
 
 @pytest.mark.parametrize(
@@ -320,7 +274,7 @@ def test_a_byte_level_bpe_model_takes_any_prompt(tmp_path, capfd):
     tok = BPETokenizer.train("满纸荒唐言，一把辛酸泪。\nHello there\n", 300)
     write_model_dir(tmp_path / "m", tiny_config(tok.vocab_size), tok)
     args = ["generate", "--tp", "1", "--prompt", "Hello, world €", "--max-new-tokens", "2"]
-    code, out, err = tpedu(capfd, *args, "--model", str(tmp_path / "m"))
+    code, out, err = cli(capfd, *args, "--model", str(tmp_path / "m"))
     assert code == 0, err
     assert "Hello, world €" in out  # the prompt, then what the random model added
 
@@ -407,7 +361,7 @@ def test_a_torchrun_world_size_mismatch_is_one_line_from_rank_0(
     for rank in range(world):
         monkeypatch.setenv("RANK", str(rank))
         monkeypatch.setenv("LOCAL_RANK", str(rank))
-        code, out, err = tpedu(capfd, "train", *args, *TINY)
+        code, out, err = cli(capfd, "train", *args, *TINY)
         assert code == 2
         if rank == 0:
             assert message in err and len(err.strip().splitlines()) == 1, err

@@ -4,10 +4,9 @@ The CLI runs in this process; the model directory is written directly (random we
 
 import pytest
 
-from tests.test_cli_3d import tpedu
-from tests.test_cli_checks import (  # noqa: F401 (no_launch is a fixture)
+from tests.helpers import (
+    cli,  # the CLI in this process: (exit code, stdout, stderr)
     launches,
-    no_launch,
     one_line_error,
     tiny_config,
     write_model_dir,
@@ -34,7 +33,7 @@ def test_a_batch_of_prompts_prints_each_continuation_on_its_line(model_dir, tmp_
     args += ["--max-new-tokens", "6", "--greedy"]
     outputs = []
     for extra in ([], ["--no-cache"]):
-        code, out, err = tpedu(capfd, *args, "--tp", "2", *extra)
+        code, out, err = cli(capfd, *args, "--tp", "2", *extra)
         assert code == 0, err
         outputs.append(out.strip().splitlines()[-2:])
     alone = [
@@ -51,7 +50,7 @@ def test_one_prompt_samples_the_same_text_with_and_without_the_cache(model_dir, 
     args += ["--max-new-tokens", "10", "--seed", "4"]
     texts = []
     for extra in ([], ["--no-cache"]):
-        code, out, err = tpedu(capfd, *args, *extra)
+        code, out, err = cli(capfd, *args, *extra)
         assert code == 0, err
         texts.append(out.strip().splitlines()[-1])
     assert texts[0] == texts[1] and texts[0].startswith("宝玉") and len(texts[0]) == 12
@@ -75,5 +74,5 @@ def test_the_context_length_and_bad_prompt_files_are_one_line_errors(model_dir, 
     (tmp_path / "empty.txt").write_text("\n  \n", encoding="utf-8")
     one_line_error(capfd, [*gen, "--prompts", str(tmp_path / "empty.txt")], "has no prompts")
     one_line_error(capfd, [*gen, "--prompts", str(tmp_path / "nope.txt")], "cannot read it")
-    code, _, err = tpedu(capfd, *gen, "--prompt", "宝玉", "--prompts", str(tmp_path / "e.txt"))
+    code, _, err = cli(capfd, *gen, "--prompt", "宝玉", "--prompts", str(tmp_path / "e.txt"))
     assert code == 2 and "not allowed with argument" in err

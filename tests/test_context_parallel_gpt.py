@@ -105,7 +105,7 @@ def test_training_with_context_parallelism_equals_one_process(tmp_path):
     gradient norms as one process, step by step (float64); the checkpoint it writes (CP rank
     0 only, like a DP replica) resumes in one process with the straight run's losses."""
     from tpedu.parallel.config import ParallelConfig
-    from tpedu.train.loop import TrainConfig
+    from tpedu.train.config import TrainConfig
 
     config = CONFIGS["llama"]
     cfg = TrainConfig(

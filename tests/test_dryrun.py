@@ -21,16 +21,17 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tests.test_cli_3d import tpedu  # runs the CLI in this process: (exit code, stdout, stderr)
+from tests.helpers import cli  # the CLI in this process: (exit code, stdout, stderr)
 from tpedu import launch
 from tpedu.analysis import dryrun
 from tpedu.comm import collectives
 from tpedu.comm.tracer import CommTracer
 from tpedu.model.config import GPTConfig
 from tpedu.parallel.config import ParallelConfig
-from tpedu.train import loop
-from tpedu.train.loop import TrainConfig, train
-from tpedu.train.loop import make_sharded as train_make_sharded
+from tpedu.train import optim
+from tpedu.train.config import TrainConfig
+from tpedu.train.loop import train
+from tpedu.train.optim import make_sharded as train_make_sharded
 
 SMALL = GPTConfig.gpt2_like(101, seq_len=16, n_layers=4, hidden=32, n_heads=4)
 BIG = GPTConfig.gpt2_like(50257, seq_len=2048, n_layers=32, hidden=4096, n_heads=32)
@@ -46,11 +47,11 @@ LAYOUTS = {
         dataclasses.replace(SMALL, n_kv_heads=1),
         ParallelConfig(4, 2, 1, recompute="selective"),
     ),
-    "tp2 only (train's TP loop), replicated untied embedding": (
+    "tp2 only, replicated untied embedding": (
         dataclasses.replace(SMALL, vocab_parallel=False, tie_embeddings=False),
         ParallelConfig(2),
     ),
-    "tp2 cp2 (train's TP loop), ring, zig-zag": (SMALL, ParallelConfig(2, cp=2)),
+    "tp2 cp2, ring, zig-zag": (SMALL, ParallelConfig(2, cp=2)),
     "dp2 cp2, ring, contiguous, selective": (
         SMALL,
         ParallelConfig(1, 1, 2, cp=2, cp_layout="contiguous", recompute="selective"),
@@ -104,7 +105,7 @@ BF16 = {
     for name in (
         "tp2 pp2 dp2",
         "tp4 pp2, KV heads replicated, selective",
-        "tp2 only (train's TP loop), replicated untied embedding",
+        "tp2 only, replicated untied embedding",
         "dp2 cp2, ring, contiguous, selective",
         "tp2 dp2 ZeRO-3",
         "pp2 cp2, Ulysses, full recompute, GQA",
@@ -221,9 +222,8 @@ def test_long_context_layout_splits_activations_and_sends_the_ring():
     f, s = cp2.figures, big.seq_len
     positions = 8 * s  # [cp, s/cp] int64, kept once by the first block's ring attention
     assert 2 * (f.act_per_layer - positions) == tp4.figures.act_per_layer
-    # TP: s/cp positions per message (minus the gradient norm's 8 bytes; train's TP loop runs
-    # tp 4 alone over the world, with the preemption check's 4)
-    assert 2 * (f.sent("tp") - 8) == tp4.figures.sent("world") - 12
+    # TP: s/cp positions per message (beside them, the gradient norm's 8 bytes)
+    assert 2 * (f.sent("tp") - 8) == tp4.figures.sent("tp") - 8
     cp = {(t.op, t.phase): t for t in f.traffic if t.group == "cp"}
     block = 1 * (32 // 4) * (s // 2) * (4096 // 32) * 4  # [b, kv_heads/tp, s/cp, d] fp32
     assert cp["send", "forward"].calls == 2 * 2 and cp["send", "backward"].calls == 2 * 6
@@ -232,7 +232,7 @@ def test_long_context_layout_splits_activations_and_sends_the_ring():
 
 
 def test_cli_dry_runs_context_parallel_layouts(capfd):
-    code, out, err = tpedu(
+    code, out, err = cli(
         capfd,
         "dryrun",
         *"--tp 2 --cp 2 --dp 2 --layers 2 --hidden 32 --heads 4 --seq 16 --vocab 101".split(),
@@ -289,7 +289,7 @@ def test_big_layout_zero3_against_the_ledger(big_zero3):
 def test_zero3_peak_without_prefetch_is_unexplained(monkeypatch, big_zero3):
     """Mutation: without the prefetch, the gathered peak is one block smaller than the formula
     (the running block only): the comparison is not vacuous."""
-    monkeypatch.setattr(loop, "make_sharded", _no_prefetch)
+    monkeypatch.setattr(optim, "make_sharded", _no_prefetch)
     run = dryrun.dry_run(BIG, ParallelConfig(4, 4, 8, zero=3), 64, [0])[0]
     c = run.comparison("whole parameters (peak)")
     assert c.measured < big_zero3[0].figures.peak_gathered and c.unexplained < -1e6
@@ -363,7 +363,7 @@ def test_cli_prints_the_128_gpu_table_in_seconds():
 
 
 def test_cli_rank_all(capfd):
-    code, out, err = tpedu(
+    code, out, err = cli(
         capfd,
         "dryrun",
         *"--tp 2 --pp 2 --layers 2 --hidden 32".split(),
@@ -400,7 +400,7 @@ def test_cli_rank_all(capfd):
     ],
 )
 def test_cli_bad_input_is_one_line(capfd, args, message):
-    code, out, err = tpedu(capfd, "dryrun", *args)
+    code, out, err = cli(capfd, "dryrun", *args)
     assert code == 2, err
     assert message in err and len(err.strip().splitlines()) == 1, err
     assert err.startswith("tpedu: error: ") and "Traceback" not in err and not out

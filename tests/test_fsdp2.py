@@ -15,12 +15,13 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
-from tests.test_train_3d import CFG, CONFIG, F64, data, f64
+from tests.helpers import CFG, CONFIG, F64, data, f64
 from tpedu import launch
 from tpedu.model.dense import DenseGPT
 from tpedu.parallel.config import ParallelConfig
+from tpedu.train.config import lr_at
 from tpedu.train.data.batches import packed_batch
-from tpedu.train.loop import lr_at, train
+from tpedu.train.loop import train
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 if str(BENCHMARKS) not in sys.path:

@@ -3,18 +3,15 @@ with GPT-2's real vocabulary size 50257 (padded at tp > 1), loaded from a state 
 `save_pretrained` directory by slices (each rank reads exactly its shards' bytes). Nothing is
 downloaded: a small, randomly initialised GPT2LMHeadModel is built locally."""
 
-from contextlib import contextmanager
-
 import pytest
 import torch
 import transformers
-from safetensors import safe_open
 
+from tests.helpers import check_sliced, sliced_load
 from tpedu import launch
-from tpedu.checkpoint import hf, hf_map
+from tpedu.checkpoint import hf
 from tpedu.model.dense import DenseGPT
 from tpedu.model.gpt import TPGPT
-from tpedu.model.state import dense_shapes, shard_map, split_tensor
 
 
 @pytest.fixture(scope="module")
@@ -78,74 +75,6 @@ def test_exported_config_token_ids_are_in_the_vocabulary(vocab):
         assert value is None or 0 <= value < vocab, f"{name} = {value}, vocabulary {vocab}"
     if vocab == 50257:
         assert cfg.bos_token_id == cfg.eos_token_id == 50256
-
-
-class _CountingSlice:
-    """A safetensors slice that logs the bytes of every block it hands out."""
-
-    def __init__(self, sl, log: list[int]) -> None:
-        self.sl, self.log = sl, log
-
-    def get_shape(self) -> list[int]:
-        return self.sl.get_shape()
-
-    def __getitem__(self, key):
-        block = self.sl[key]
-        self.log.append(block.numel() * block.element_size())
-        return block
-
-
-class _CountingFile:
-    """An open safetensors file with slices only (no get_tensor: a whole read fails)."""
-
-    def __init__(self, f, log: list[int]) -> None:
-        self.f, self.log = f, log
-
-    def keys(self) -> list[str]:
-        return self.f.keys()
-
-    def get_slice(self, key: str) -> _CountingSlice:
-        return _CountingSlice(self.f.get_slice(key), self.log)
-
-
-def sliced_load(path, state, ids):
-    """On a rank: load `path` by slices (counting the bytes read) and from the dense `state`.
-    -> (sliced params, full-load params, bytes read, this rank's shard bytes, logits)."""
-
-    @contextmanager
-    def counting_open(file, framework):
-        with safe_open(file, framework) as f:
-            yield _CountingFile(f, log)
-
-    log: list[int] = []
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(hf_map, "safe_open", counting_open)
-        model = hf.load_hf_sharded(path, dtype=torch.float64).eval()
-    config = model.config
-    torch.set_default_dtype(torch.float64)  # the reference built in float64, not cast to it
-    full = TPGPT.from_state_dict(config, hf.state_from_hf(state, config))
-    rank = torch.distributed.get_rank()
-    shapes = dense_shapes(config)
-    held = sum(  # split_tensor zero-fills the vocabulary padding: only real elements count
-        split_tensor(torch.ones(shapes[e.name]), e.stored_kind, model.tp, rank, config).sum()
-        for e in shard_map(model)
-    )
-    with torch.no_grad():
-        logits = model.full_logits(ids)
-    return dict(model.named_parameters()), dict(full.named_parameters()), sum(log), held * 8, logits
-
-
-def check_sliced(results, expected_logits, total_bytes, tp) -> None:
-    """Every rank: the sliced model is the full load bit for bit, it read exactly its shards'
-    bytes (a 1/tp share, not the file), and its logits are the reference's."""
-    for sliced, full, read, held, logits in results:
-        assert sliced.keys() == full.keys()
-        for name, p in sliced.items():
-            assert torch.equal(p, full[name]), name
-        assert read == held
-        if tp > 1:
-            assert read < 0.75 * total_bytes
-        torch.testing.assert_close(logits, expected_logits, rtol=1e-10, atol=1e-10)
 
 
 @pytest.mark.parametrize("tp", [2, 4])

@@ -19,8 +19,7 @@ import torch
 import transformers
 from transformers.models.llama import modeling_llama
 
-from tests.test_hf import check_sliced, sliced_load
-from tests.test_kv_cache import transformers_greedy
+from tests.helpers import check_sliced, sliced_load, transformers_greedy
 from tpedu import launch
 from tpedu.checkpoint import hf, hf_llama
 from tpedu.model.config import GPTConfig

@@ -8,6 +8,7 @@ prefill and per decoded token against the formula."""
 import pytest
 import torch
 
+from tests.helpers import transformers_greedy
 from tpedu import launch
 from tpedu.comm.tracer import CommTracer
 from tpedu.model.config import GPTConfig
@@ -142,24 +143,6 @@ def test_generate_samples_the_same_tokens_with_and_without_the_cache():
     recomputed = launch(train_generate, 2, config, state, [3, 1, 4], 12, False)
     assert cached[0] == cached[1] == recomputed[0]
     assert len(cached[0]) == 15
-
-
-def transformers_greedy(model, prompts, steps):
-    """transformers' own cached greedy decoding, one prompt at a time: prompt + `steps` ids."""
-    out = []
-    with torch.no_grad():
-        for p in prompts:
-            ids = model.generate(
-                torch.tensor([p]),
-                attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                do_sample=False,
-                use_cache=True,
-                max_new_tokens=steps,
-                min_new_tokens=steps,
-                pad_token_id=0,
-            )
-            out.append(ids[0].tolist())
-    return out
 
 
 def hf_greedy(prompts, steps, tp):

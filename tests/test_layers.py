@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 import tpedu
+from tests.helpers import calls, randn
 from tpedu import RankError, launch
 from tpedu.comm.tracer import CommTracer
 from tpedu.tp.layers import ColumnParallelLinear, RowParallelLinear
@@ -35,17 +36,8 @@ def dense_layer(n_in, n_out, seed):
     return nn.Linear(n_in, n_out, dtype=torch.float64).to(tpedu.device())
 
 
-def randn(seed, shape):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(shape, generator=g, dtype=torch.float64).to(tpedu.device())
-
-
 def md(a, b):
     return (a - b).abs().max().item()
-
-
-def calls(trace):
-    return [(r.op, r.phase, r.numel) for r in trace.records]
 
 
 def column_worker():

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import tpedu
+from tests.helpers import randn
 from tpedu import launch
 from tpedu.comm.tracer import CommTracer
 from tpedu.tp.dense import DenseMLP
@@ -24,11 +25,6 @@ ACTS = ("gelu", "relu", "swiglu")
 
 def md(a, b):
     return (a - b).abs().max().item()
-
-
-def randn(seed, shape):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(shape, generator=g, dtype=torch.float64).to(tpedu.device())
 
 
 def mlp_worker():

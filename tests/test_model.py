@@ -149,8 +149,9 @@ def test_gradient_norm_counts_follow_the_model_to_its_device():
 
 
 def train_losses(config, steps):
+    from tpedu.train.config import TrainConfig
     from tpedu.train.data.corpus import novel_data
-    from tpedu.train.loop import TrainConfig, train
+    from tpedu.train.loop import train
 
     _, train_ids, val_ids = novel_data("char")
     cfg = TrainConfig(steps=steps, batch=4, lr=3e-3, warmup=2, eval_every=0, progress=False)

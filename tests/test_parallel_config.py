@@ -45,10 +45,7 @@ def test_check_refuses_what_the_model_cannot_run():
     ParallelConfig(tp=4, pp=2, sequence_parallel=True).check(CONFIG)  # fine
 
 
-def test_tp_only_and_the_round_trip():
-    assert ParallelConfig(tp=4, sequence_parallel=True, recompute="full").tp_only
-    for p in (ParallelConfig(dp=2), ParallelConfig(pp=2), ParallelConfig(micro_batches=2)):
-        assert not p.tp_only, p
+def test_the_round_trip():
     p = ParallelConfig(2, 2, 2, schedule="gpipe", zero=1, overlap_comm=True)
     assert ParallelConfig.from_dict(p.to_dict()) == p
     assert p.world == 8 and p.layout.world == 8

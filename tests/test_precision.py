@@ -22,8 +22,11 @@ from tpedu.model import TPGPT, DenseGPT, GPTConfig
 from tpedu.parallel.config import ParallelConfig
 from tpedu.tp.layers import row_parallel_linear
 from tpedu.tp.sharding import rank_chunk
-from tpedu.train.loop import TrainConfig, make_optimizer, train, train_step
+from tpedu.train.config import TrainConfig
+from tpedu.train.loop import train
+from tpedu.train.optim import make_optimizer
 from tpedu.train.precision import LossScaler
+from tpedu.train.step import train_step
 
 U = 2.0**-8  # bf16 unit roundoff
 V = 41

@@ -23,7 +23,8 @@ from tests.processes import descendants, signal_sleeping_ranks
 from tpedu import launch
 from tpedu.checkpoint import sharded
 from tpedu.cli.commands import _preempted, _resume_command, main
-from tpedu.train.loop import TrainConfig, run_loop
+from tpedu.train.config import TrainConfig
+from tpedu.train.loop import run_loop
 from tpedu.train.preempt import EXIT_CODE, Preempted, agree_to_stop, sigterm_flag
 
 STEPS = 40  # ≈ 1.2 s of training at tp 2 here: the signal lands mid-run with a wide margin

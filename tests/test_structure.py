@@ -13,7 +13,8 @@ Layers, lowest first; a module may import its own layer and those below:
     launcher < comm < tp < model < parallel < train = checkpoint = serve < analysis = course
              < cli < __main__
 
-`tpedu/__init__.py` (the package's face) imports only tpedu.launcher and counts as its layer.
+`tpedu/__init__.py` (the package's face) imports only tpedu.launcher and tpedu.comm.device and
+counts as the launcher's layer.
 A sub-package's __init__.py belongs to that sub-package's layer.
 """
 
@@ -50,7 +51,7 @@ ORDER = (
     "grading "
     "< cli < __main__"
 )
-FACE_MAY_IMPORT = {f"{PACKAGE}.launcher"}
+FACE_MAY_IMPORT = {f"{PACKAGE}.launcher", f"{PACKAGE}.comm.device"}
 
 # The first line of every module docstring: the lesson it belongs to, or course infrastructure.
 #   "Lesson 03: the conjugate operators ..."

@@ -1,6 +1,7 @@
 """The suite's own helpers: leftovers are killed, reaped and named; the kernel probe knows when the
 lower kernels did not take effect; the load runner stops its busy processes."""
 
+import ast
 import subprocess
 import sys
 from pathlib import Path
@@ -38,3 +39,16 @@ def test_the_load_runner_returns_the_command_code_and_stops_its_hogs(capsys):
     assert load.main(["--hogs", "2", "--", sys.executable, "-c", "raise SystemExit(3)"]) == 3
     assert children() == []
     assert "2 CPU-bound processes beside" in capsys.readouterr().out
+
+
+def test_no_test_file_imports_another():
+    """What test files share lives in tests/helpers.py (or conftest.py, for fixtures): a test
+    file imported by another runs its module-level set-up twice and ties the two together."""
+    tests = Path(__file__).parent
+    found = []
+    for path in sorted(tests.rglob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                if any(part.startswith("test_") for part in node.module.split(".")):
+                    found.append(f"{path.relative_to(tests)}:{node.lineno} imports {node.module}")
+    assert not found, "\n".join(found)

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 import tpedu
+from tests.helpers import calls
 from tpedu import RankError, launch
 from tpedu.comm.tracer import CommTracer
 from tpedu.tp.operators import (
@@ -32,10 +33,6 @@ def ints(seed, shape):
     """Random integers in [-9, 9] as float64, the same on whichever rank asks for `seed`."""
     g = torch.Generator().manual_seed(seed)
     return torch.randint(-9, 10, shape, generator=g).to(torch.float64).to(tpedu.device())
-
-
-def calls(trace):
-    return [(r.op, r.phase, r.numel) for r in trace.records]
 
 
 def ops_worker():

@@ -13,66 +13,22 @@ import dataclasses
 import json
 
 import pytest
-import torch
 from safetensors.torch import load_file
 
+from tests.helpers import CFG, CONFIG, F64, V, check, data, f64
 from tpedu import launch
 from tpedu.launcher import RankError
 from tpedu.model.config import GPTConfig
 from tpedu.parallel.config import ParallelConfig
-from tpedu.train.loop import TrainConfig, train
+from tpedu.train.loop import train
 
-V = 41
-CONFIG = GPTConfig.gpt2_like(V, seq_len=8, n_layers=2, hidden=16, n_heads=2)
 UNTIED = GPTConfig.llama_like(V, seq_len=8, n_layers=2, hidden=16, n_heads=2, n_kv_heads=2)
-CFG = TrainConfig(
-    steps=3,
-    batch=4,
-    lr=1e-2,
-    warmup=1,
-    eval_every=1,  # the history records every step's gradient norm
-    eval_batches=1,
-    grad_clip=0.05,
-    progress=False,
-)  # clip small: it is active
-
-
-def data():
-    g = torch.Generator().manual_seed(0)
-    return torch.randint(0, V, (500,), generator=g), torch.randint(0, V, (200,), generator=g)
 
 
 @pytest.fixture(scope="module")
 def reference():
     tr, va = data()
     return {c.norm: launch(train, 1, c, CFG, tr, va)[0] for c in (CONFIG, UNTIED)}
-
-
-# float64 runs: rounding ≈1e-16 relative, so 1e-10 relative is sharp (measured worst weight:
-# 1.5e-13 of a tensor's largest entry, the flops split after 5 steps; losses and gradient norms
-# 4e-16). In float32 the (2,2,2) weights differ by up to 4.6e-5 of tok_emb's largest entry:
-# AdamW's step g/(√v + eps) does not shrink with g for an element whose gradient is near
-# eps = 1e-8 (tok_emb[17, 5]: 6.7e-9 after clipping at step 0), so its float32 rounding error
-# shows at the scale of lr.
-F64 = 1e-10
-
-
-def f64(fn, *args, **kwargs):
-    """Run `fn` in float64 (in a launched rank: the default dtype is the rank's own)."""
-    torch.set_default_dtype(torch.float64)
-    return fn(*args, **kwargs)
-
-
-def check(summary, ref, label, rel=2e-5):
-    """Every step's loss; every history entry's (each step's, with eval_every=1) gradient norm
-    and validation loss."""
-    for step, (a, b) in enumerate(zip(summary["losses"], ref["losses"], strict=True)):
-        assert a == pytest.approx(b, rel=rel), f"{label} step {step}: {a} vs one process {b}"
-    assert len(ref["history"]) == len(ref["losses"]), "eval_every=1: one entry per step"
-    for h, r in zip(summary["history"], ref["history"], strict=True):
-        assert h["step"] == r["step"], label
-        assert h["grad_norm"] == pytest.approx(r["grad_norm"], rel=rel), f"{label} {h} vs {r}"
-        assert h["val_loss"] == pytest.approx(r["val_loss"], rel=rel), f"{label} {h} vs {r}"
 
 
 def same_weights(a_dir, b_dir, label, rel=F64):

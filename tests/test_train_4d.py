@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from tests.test_train_3d import CFG, F64, V, check, data, f64
+from tests.helpers import CFG, F64, V, check, data, f64
 from tpedu import launch
 from tpedu.model.config import GPTConfig
 from tpedu.parallel.config import ParallelConfig

@@ -23,8 +23,10 @@ from safetensors.torch import load_file
 from tpedu import launch
 from tpedu.model.config import GPTConfig
 from tpedu.model.dense import DenseGPT
+from tpedu.train.config import TrainConfig, lr_at
 from tpedu.train.data.batches import packed_batch
-from tpedu.train.loop import TrainConfig, clip_grads, lr_at, train
+from tpedu.train.loop import train
+from tpedu.train.step import clip_grads
 
 V = 41
 CONFIG = GPTConfig.gpt2_like(V, seq_len=8, n_layers=2, hidden=16, n_heads=2)

@@ -87,7 +87,8 @@ imports only its own layer and those below it: tests/test_structure.py checks it
     __main__              `python -m tpedu`: runs tpedu.cli.commands.main
 """
 
-from tpedu.launcher import LaunchTimeout, RankError, device, launch, run
+from tpedu.comm.device import device
+from tpedu.launcher import LaunchTimeout, RankError, launch, run
 
 __version__ = "0.1.0"
 __all__ = ["LaunchTimeout", "RankError", "device", "launch", "run", "__version__"]

@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 import tpedu
 from tests.exercises import parity_group
+from tests.helpers import calls
 from tpedu.comm.tracer import CommTracer
 from tpedu.course.grading import implementation
 
@@ -34,10 +35,6 @@ def _check(worker, world_sizes) -> None:
     for t in world_sizes:
         for rank, bad in enumerate(tpedu.launch(worker, t, timeout=30)):
             assert not bad, f"world size {t}, rank {rank}: " + "; ".join(bad)
-
-
-def _calls(trace: CommTracer) -> list:
-    return [(r.op, r.phase, r.numel) for r in trace.records]
 
 
 def _structure_worker() -> list[str]:
@@ -69,7 +66,7 @@ def _copy_worker() -> list[str]:
     if not torch.equal(y, x.detach()):
         bad.append(f"forward must return x unchanged: {_diff(y, x.detach())}")
     if fwd.records:
-        bad.append(f"forward must not communicate, ran {_calls(fwd)}")
+        bad.append(f"forward must not communicate, ran {calls(fwd)}")
     with CommTracer() as bwd:
         (y * ints(100 + r)).sum().backward()  # a different upstream gradient on each rank
     want = sum(ints(100 + q) for q in range(t))
@@ -77,8 +74,8 @@ def _copy_worker() -> list[str]:
         bad.append(
             f"backward must return the sum over ranks of the gradients: {_diff(x.grad, want)}"
         )
-    if _calls(bwd) != [("all_reduce", "backward", x.numel())]:
-        bad.append(f"backward must run exactly 1 all-reduce of x's size, ran {_calls(bwd)}")
+    if calls(bwd) != [("all_reduce", "backward", x.numel())]:
+        bad.append(f"backward must run exactly 1 all-reduce of x's size, ran {calls(bwd)}")
     return bad
 
 
@@ -99,15 +96,15 @@ def _reduce_worker() -> list[str]:
         bad.append(f"forward must return the sum over ranks: {_diff(y, want)}")
     if not torch.equal(x.detach(), ints(200 + r)):
         bad.append("forward modified its input in place: all-reduce a copy")
-    if _calls(fwd) != [("all_reduce", "forward", x.numel())]:
-        bad.append(f"forward must run exactly 1 all-reduce of x's size, ran {_calls(fwd)}")
+    if calls(fwd) != [("all_reduce", "forward", x.numel())]:
+        bad.append(f"forward must run exactly 1 all-reduce of x's size, ran {calls(fwd)}")
     g = ints(300)  # the output is replicated, so its gradient is the same on every rank
     with CommTracer() as bwd:
         (y * g).sum().backward()
     if x.grad is None or not torch.equal(x.grad, g):
         bad.append(f"backward must pass the gradient through unchanged: {_diff(x.grad, g)}")
     if bwd.records:
-        bad.append(f"backward must not communicate, ran {_calls(bwd)}")
+        bad.append(f"backward must not communicate, ran {calls(bwd)}")
     return bad
 
 

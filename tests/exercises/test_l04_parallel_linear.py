@@ -13,6 +13,7 @@ from torch import nn
 
 import tpedu
 from tests.exercises import parity_group
+from tests.helpers import calls, randn
 from tpedu.comm.tracer import CommTracer
 from tpedu.course.grading import implementation
 
@@ -20,11 +21,6 @@ NAME = "l04_parallel_linear"
 TOL = 1e-12
 BATCH = (3, 5)
 N_IN, N_OUT = 7, 12  # column: 7 -> 12 (12 splits over 2, 3, 4); row: 12 -> 7
-
-
-def randn(seed: int, shape: tuple) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(shape, generator=g, dtype=torch.float64).to(tpedu.device())
 
 
 def dense(n_in: int, n_out: int, seed: int) -> nn.Linear:
@@ -39,10 +35,6 @@ def _cmp(bad: list, what: str, got, want) -> None:
         bad.append(f"{what}: shape {tuple(got.shape)}, expected {tuple(want.shape)}")
     elif not (d := (got - want).abs().max().item()) <= TOL:  # NaN fails too
         bad.append(f"{what}: max |difference| = {d:.3e}")
-
-
-def _calls(trace: CommTracer) -> list:
-    return [(r.op, r.phase, r.numel) for r in trace.records]
 
 
 def _check(worker, world_sizes) -> None:
@@ -85,15 +77,15 @@ def _column_backward_worker() -> list[str]:
     b = _col(r, t, lin.bias.detach(), 0).clone().requires_grad_()
     with CommTracer() as tr:
         y = m.column_parallel_linear(xp, w, b)
-        fwd = _calls(tr)
+        fwd = calls(tr)
         (y * _col(r, t, g, -1)).sum().backward()
     _cmp(bad, "dL/dx", xp.grad, xd.grad)
     _cmp(bad, "dL/dweight shard", w.grad, _col(r, t, lin.weight.grad, 0))
     _cmp(bad, "dL/dbias shard", b.grad, _col(r, t, lin.bias.grad, 0))
     if fwd:
         bad.append(f"forward must not communicate, ran {fwd}")
-    if _calls(tr)[len(fwd) :] != [("all_reduce", "backward", x.numel())]:
-        bad.append(f"backward must run 1 all-reduce of x's size, ran {_calls(tr)}")
+    if calls(tr)[len(fwd) :] != [("all_reduce", "backward", x.numel())]:
+        bad.append(f"backward must run 1 all-reduce of x's size, ran {calls(tr)}")
     return bad
 
 
@@ -111,8 +103,8 @@ def _column_gather_worker() -> list[str]:
             x, _col(r, t, lin.weight, 0), _col(r, t, lin.bias, 0), gather_output=True
         )
     _cmp(bad, "gathered output", y, lin(x).detach())
-    if _calls(tr) != [("all_gather", "forward", x.shape[0] * x.shape[1] * N_OUT)]:
-        bad.append(f"gather_output must run 1 all-gather of the output, ran {_calls(tr)}")
+    if calls(tr) != [("all_gather", "forward", x.shape[0] * x.shape[1] * N_OUT)]:
+        bad.append(f"gather_output must run 1 all-gather of the output, ran {calls(tr)}")
     return bad
 
 
@@ -132,8 +124,8 @@ def _row_forward_worker() -> list[str]:
         _cmp(bad, "output", y, lin(x))
         y = m.row_parallel_linear(_col(r, t, x, -1), _col(r, t, lin.weight, 1), None)
         _cmp(bad, "output (bias None)", y, lin(x) - lin.bias)
-    if _calls(tr) != [("all_reduce", "forward", x.shape[0] * x.shape[1] * N_IN)]:
-        bad.append(f"forward must run 1 all-reduce of the output's size, ran {_calls(tr)}")
+    if calls(tr) != [("all_reduce", "forward", x.shape[0] * x.shape[1] * N_IN)]:
+        bad.append(f"forward must run 1 all-reduce of the output's size, ran {calls(tr)}")
     return bad
 
 
@@ -163,7 +155,7 @@ def _row_backward_worker() -> list[str]:
     _cmp(bad, "dL/dweight shard", w.grad, _col(r, t, lin.weight.grad, 1))
     _cmp(bad, "dL/dbias", b.grad, lin.bias.grad)
     if tr.records:
-        bad.append(f"backward must not communicate, ran {_calls(tr)}")
+        bad.append(f"backward must not communicate, ran {calls(tr)}")
     return bad
 
 

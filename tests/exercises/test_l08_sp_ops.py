@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 import tpedu
 from tests.exercises import parity_group
+from tests.helpers import calls
 from tpedu.comm.tracer import CommTracer
 from tpedu.course.grading import implementation
 
@@ -32,10 +33,6 @@ def _diff(name: str, got: torch.Tensor | None, want: torch.Tensor) -> list[str]:
     return [f"{name}: max |difference| = {d:.3e}"] if d != 0 else []
 
 
-def _calls(trace: CommTracer) -> list:
-    return [(r.op, r.phase, r.numel) for r in trace.records]
-
-
 def _check(worker, world_sizes=(2, 3)) -> None:
     for t in world_sizes:
         for rank, bad in enumerate(tpedu.launch(worker, t, timeout=30)):
@@ -52,8 +49,8 @@ def _scatter_worker() -> list[str]:
         y.backward(grads[r])
     bad = _diff("forward", y, x.detach()[:, r * N : (r + 1) * N])
     bad += _diff("backward", x.grad, torch.cat(grads, dim=1))
-    if _calls(trace) != [("all_gather", "backward", B * N * t * H)]:
-        bad.append(f"expected only 1 all-gather in backward, traced {_calls(trace)}")
+    if calls(trace) != [("all_gather", "backward", B * N * t * H)]:
+        bad.append(f"expected only 1 all-gather in backward, traced {calls(trace)}")
     return bad
 
 
@@ -76,11 +73,11 @@ def _gather_worker() -> list[str]:
         own = slice(r * N, (r + 1) * N)
         want = sum(grads)[:, own] if tp_grad else grads[r][:, own]
         bad += _diff(f"backward (tensor_parallel_output_grad={tp_grad})", x.grad, want)
-        calls = [("all_gather", "forward", B * N * t * H)]
-        calls += [("reduce_scatter", "backward", B * N * t * H)] if tp_grad else []
-        if _calls(trace) != calls:
+        expected = [("all_gather", "forward", B * N * t * H)]
+        expected += [("reduce_scatter", "backward", B * N * t * H)] if tp_grad else []
+        if calls(trace) != expected:
             bad.append(
-                f"tensor_parallel_output_grad={tp_grad}: expected {calls}, traced {_calls(trace)}"
+                f"tensor_parallel_output_grad={tp_grad}: expected {expected}, traced {calls(trace)}"
             )
     return bad
 
@@ -100,12 +97,12 @@ def _reduce_scatter_worker() -> list[str]:
         y.backward(grads[r])
     bad = _diff("forward", y, sum(partial)[:, r * N : (r + 1) * N])
     bad += _diff("backward", x.grad, torch.cat(grads, dim=1))
-    calls = [
+    expected = [
         ("reduce_scatter", "forward", B * N * t * H),
         ("all_gather", "backward", B * N * t * H),
     ]
-    if _calls(trace) != calls:
-        bad.append(f"expected {calls}, traced {_calls(trace)}")
+    if calls(trace) != expected:
+        bad.append(f"expected {expected}, traced {calls(trace)}")
     return bad
 
 
@@ -202,8 +199,8 @@ def _grads_worker() -> list[str]:
         bad += _diff(f"param {i} grad", p.grad, want)
     if params[2].grad is not None:
         bad.append("a parameter without a gradient must stay without one")
-    if _calls(trace) != [("all_reduce", "forward", 11)]:
-        bad.append(f"expected ONE all-reduce of 5 + 6 elements, traced {_calls(trace)}")
+    if calls(trace) != [("all_reduce", "forward", 11)]:
+        bad.append(f"expected ONE all-reduce of 5 + 6 elements, traced {calls(trace)}")
     return bad
 
 

@@ -4,7 +4,7 @@ every artefact check of tpedu.course.capstone."""
 
 import pytest
 
-from tests.test_capstone import make_artefacts
+from tests.helpers import make_artefacts
 from tpedu.course import capstone
 from tpedu.course.grading import implementation
 from tpedu.parallel.config import ParallelConfig

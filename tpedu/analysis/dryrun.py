@@ -18,10 +18,10 @@ How (`measure_rank`, the same code on a real process group and on a fake one):
    (`build_stage_chunks`). Forward, backward and AdamW run on meta tensors: shapes and dtypes
    propagate, nothing is computed.
 3. One training step as `tpedu.train.loop` runs it, in fp32 (train's default --dtype) or bf16:
-   `run_loop` for one step around `step_3d` (the pipeline schedule for this rank's stage, DP
-   bucket all-reduces, tied-embedding and TP gradient fix-ups, the gradient norm, AdamW, or
-   with ZeRO `make_sharded`'s ShardedDataParallel as both the gradient reducer and the
-   optimizer) and _train_3d's loss all-reduce; with tp only, `train_step`'s calls.
+   `run_loop` for one step around train's own `TrainStep` (the pipeline schedule for this
+   rank's stage, DP bucket all-reduces, tied-embedding and TP gradient fix-ups, the gradient
+   norm, AdamW, or with ZeRO `make_sharded`'s ShardedDataParallel as both the gradient reducer
+   and the optimizer) and train's loss all-reduce; tp only is a pipeline of one stage.
    `CommTracer` records every collective; `SavedTensorCounter` every tensor saved for
    backward (keyed by storage identity: meta tensors have no data pointers); the peak is the
    largest sum over the micro-batch forwards the schedule holds at once.
@@ -44,7 +44,7 @@ Two things meta tensors would get wrong, and what is done instead:
   paths call (dropout > 0, ring attention): there a GPU run can hold more than this figure.
 
 Context parallelism (cp > 1): each rank builds its TPGPT with its CP group (the mesh's cp
-axis, or train's TP loop's TP and CP groups) and steps on its s/cp positions, as train feeds
+axis) and steps on its s/cp positions, as train feeds
 them (`TPGPT.local_sequence`). Ring attention on meta tensors decides which K/V blocks to skip
 from the real positions (a CPU tensor). The ledger's activations are then those of s/cp
 positions, TP messages hold s/cp positions, and the CP group's traffic is set beside
@@ -90,26 +90,16 @@ from tpedu.comm.tracer import CommTracer
 from tpedu.cp.traffic import ring_messages, ulysses_messages
 from tpedu.model.config import GPTConfig
 from tpedu.model.dense import DenseGPT
-from tpedu.model.gpt import TPGPT
 from tpedu.parallel.config import ParallelConfig
 from tpedu.parallel.mesh import Mesh
-from tpedu.parallel.pipeline.runtime import Pipe, build_stage_chunks
+from tpedu.parallel.pipeline.runtime import build_stage_chunks
 from tpedu.parallel.pipeline.schedules import _parts
 from tpedu.parallel.pipeline.schedules import schedule as pipeline_schedule
 from tpedu.parallel.zero import ShardedDataParallel
 from tpedu.tp.embedding import padded_vocab
-from tpedu.train.loop import (
-    TrainConfig,
-    clip_grads,
-    context_parallel_groups,
-    default_micro_batches,
-    make_data_parallel,
-    make_optimizer,
-    replica_mean,
-    run_loop,
-    step_3d,
-)
-from tpedu.train.precision import autocast
+from tpedu.train.config import TrainConfig
+from tpedu.train.loop import run_loop
+from tpedu.train.step import build_step, replica_mean, split_batch
 
 VALUE_BYTES = 4  # weights and gradients (fp32: the master weights), and fp32 values
 DRY_DTYPES = ("fp32", "bf16")  # the compute dtypes a dry run steps in
@@ -263,22 +253,7 @@ def check_setup(config: GPTConfig, parallel: ParallelConfig, batch: int) -> int:
     """Raise a ValueError naming the problem if one training step of `batch` sequences cannot
     run so (as train would); returns the micro-batches per step."""
     parallel.check(config)
-    if batch < 1:
-        raise ValueError(f"batch must be at least 1, got {batch}")
-    if parallel.tp_only:
-        return 1
-    if batch % parallel.dp:
-        raise ValueError(
-            f"the global batch {batch} is not divisible by dp={parallel.dp}; "
-            f"use a batch that is a multiple of {parallel.dp}"
-        )
-    b = batch // parallel.dp
-    m = parallel.micro_batches or default_micro_batches(b, parallel.pp)
-    if b % m:
-        raise ValueError(
-            f"the per-replica batch {b} (= batch / dp) is not divisible by {m} "
-            f"micro-batches; choose a divisor of {b}"
-        )
+    _, m = split_batch(batch, parallel)
     pipeline_schedule(parallel.schedule, m, parallel.pp, 0, parallel.chunks)
     return m
 
@@ -438,8 +413,8 @@ def measure_rank(
 
     Data: token ids [b/m, s] (zeros) per micro-batch, targets likewise; the pipeline passes
     [b/m, s, H] activations ([b/m, s/t, H] with sequence parallelism). The step runs inside
-    `run_loop` for one step, so its communication is a real step's: `step_3d`'s (or
-    train_step's with tp only), _train_3d's world all-reduce of the loss, and whatever
+    `run_loop` for one step, so its communication is a real step's: `TrainStep`'s,
+    train's world all-reduce of the loss, and whatever
     run_loop adds per step (today 1 int32 world all-reduce: the preemption check).
     """
     m = check_setup(config, parallel, batch)
@@ -447,71 +422,32 @@ def measure_rank(
     dense = dense if dense is not None else build_dense(config, device)
     cfg = TrainConfig(batch=batch, dtype=dtype)  # train's defaults: grad_clip 1.0, decay 0.1
     loop_cfg = TrainConfig(batch=batch, steps=1, eval_every=0, progress=False)
-    options = parallel.model_options()
     rank, world = dist.get_rank(), dist.get_world_size()
-    tp, pp, dp, v = parallel.tp, parallel.pp, parallel.dp, parallel.chunks
-    seq, hidden = config.seq_len, config.hidden
     with attention_as_on_device():
-        if parallel.tp_only:  # train's TP loop: one model over the world (group None), or
-            # over its TP group with context parallelism
-            tp_group, cp_group = context_parallel_groups(parallel)
-            cp_option = {"cp_group": cp_group} if parallel.cp > 1 else {}
-            chunks = [TPGPT(dense, tp_group, **options, **cp_option)]
-            stage: nn.Module = chunks[0]
-            opt = make_optimizer(stage, cfg)
-            b, acts = batch, [("F", 0), ("B", 0)]
-        else:
-            mesh = Mesh(parallel.layout)
-            if parallel.cp > 1:
-                options = options | {"cp_group": mesh.cp_group}
-            # As _train_3d builds this rank's part, on the meta device instead of build_sharded
-            chunks = build_stage_chunks(
-                dense, mesh.tp_group, mesh.pp_rank, pp, v, parallel.stage_split, **options
-            )
-            stage = nn.ModuleList(chunks)
-            dpar, opt = make_data_parallel(chunks, cfg, parallel.zero, mesh)  # as _train_3d
-            b = batch // dp
-            acts = pipeline_schedule(parallel.schedule, m, pp, mesh.pp_rank, v)
-        micro = b // m
+        mesh = Mesh(parallel.layout)
+        options = parallel.model_options() | (
+            {"cp_group": mesh.cp_group} if parallel.cp > 1 else {}
+        )
+        # As train's stage_chunks builds this rank's part, on the meta device
+        chunks = build_stage_chunks(
+            dense, mesh.tp_group, mesh.pp_rank, parallel.pp, parallel.chunks,
+            parallel.stage_split, **options,
+        )  # fmt: skip
+        stage = nn.ModuleList(chunks)
+        train_step = build_step(chunks, mesh, parallel, cfg)  # as train builds it
+        opt, acts, micro = train_step.opt, train_step.actions, train_step.shape[0]
         # inputs and targets apart, as a real batch has them (a shared storage would be
-        # counted once by SavedTensorCounter)
-        # (CP: this rank's s/cp positions, as local_sequence gives them)
-        s_cp = seq // parallel.cp
+        # counted once by SavedTensorCounter); CP: this rank's s/cp positions
+        s_cp = config.seq_len // parallel.cp
         ids = [torch.zeros(micro, s_cp, dtype=torch.long, device=device) for _ in range(m)]
         targets = [torch.zeros(micro, s_cp, dtype=torch.long, device=device) for _ in range(m)]
-        s_local = seq // tp if parallel.sequence_parallel else s_cp
 
         def step(k: int) -> tuple[float, float]:
-            # One step as train's loops run it, minus their .item()s (meta has no values).
-            if parallel.tp_only:  # train_step
-                model = chunks[0]
-                with autocast(dtype, ids[0].device):
-                    loss = model(ids[0], targets[0], step=k)
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                model.sync_grads()
-                clip_grads(model.parameters(), model.grad_norm(), cfg.grad_clip)
-                opt.step()
-            else:  # _train_3d's step: step_3d, then the loss averaged over the replicas
-                shape = (micro, s_local, hidden)
-                step_3d(
-                    chunks,
-                    opt,
-                    mesh,
-                    Pipe.from_mesh(mesh),
-                    acts,
-                    ids,
-                    targets,
-                    shape,
-                    torch.float32,
-                    dpar,
-                    cfg.grad_clip,
-                    k,
-                    dtype,
-                )
-                # its 1 float64 all-reduce over the world; with no value to add (None) the
-                # message is the same
-                replica_mean(None, mesh)
+            # train's step, minus its .item()s (meta has no values): TrainStep, then the loss
+            # averaged over the replicas, whose 1 float64 world all-reduce sends the same
+            # message with no value to add (None)
+            train_step(ids, targets, k)
+            replica_mean(None, mesh)
             return 0.0, 0.0
 
         counter = SavedTensorCounter(stage)
@@ -1123,9 +1059,7 @@ def _traffic_comparisons(
     sp, e, m = parallel.sequence_parallel, VALUE_BYTES, fig.micro_batches
     shape, why = _shape(config, fig.micro_batch)
     cp = parallel.cp
-    tp_group = "world" if parallel.tp_only and cp == 1 else "tp"  # train's TP loop: the world
-    groups = [tp_group] + ([] if parallel.tp_only else ["pp", "dp", "emb"])
-    groups += (["cp"] if cp > 1 else []) + ([] if tp_group == "world" else ["world"])
+    groups = ["tp", "pp", "dp", "emb"] + (["cp"] if cp > 1 else []) + ["world"]
     measured = {g: fig.sent(g) for g in groups}
     if shape is None or c.n_layers % (pp * v):
         note = why or f"the what-if needs L divisible by pp·chunks ({c.n_layers}, {pp}·{v})"
@@ -1236,20 +1170,12 @@ def _traffic_comparisons(
             )
         )
     terms.append(Term("gradient norm: 1 float64 all-reduce", 8))
-    if tp_group == "world":
-        terms.append(STOP_CHECK)
     tp_traffic = Comparison(
-        f"{tp_group} traffic", measured[tp_group], vol.tp_all_reduces * msg, "what-if", tuple(terms)
+        "tp traffic", measured["tp"], vol.tp_all_reduces * msg, "what-if", tuple(terms)
     )
     out.append(tp_traffic)
     if cp > 1:
         out.append(_cp_comparison(fig, config, parallel, measured["cp"]))
-    if parallel.tp_only:
-        if tp_group != "world":
-            out.append(
-                Comparison("world traffic", measured["world"], 0.0, "what-if", (STOP_CHECK,))
-            )
-        return out
 
     # PP: activations forward, their gradients back; the what-if prices 2 sends per
     # micro-batch and chunk of a [b, s, h] message
@@ -1554,11 +1480,10 @@ def format_summary(runs: Sequence[DryRun]) -> str:
     for run in runs:
         f = run.figures
         state = (f.weights + f.gradients + f.optimizer + f.optimizer_steps) / GB
-        tp_group = "world" if run.parallel.tp_only and run.parallel.cp == 1 else "tp"
         rest = sum(abs(c.unexplained) for c in run.comparisons)
         lines.append(
             f"{f.rank:>5} {f.coords[0]:>3} {f.coords[1]:>3} {f.coords[2]:>3} {f.params:>14,} "
-            f"{state:>21.3f} {f.activations / GB:>8.3f} {f.sent(tp_group) / 1e6:>11.1f} "
+            f"{state:>21.3f} {f.activations / GB:>8.3f} {f.sent('tp') / 1e6:>11.1f} "
             f"{f.sent('pp') / 1e6:>9.1f} {f.sent('dp') / 1e6:>9.1f}"
             + (f" {f.sent('cp') / 1e6:>9.1f}" if cp else "")
             + f" {rest:>8,.0f}"

@@ -271,8 +271,8 @@ def save(
     """Save this step's checkpoint under `root` from every rank of the world. Collective.
 
     model: this rank's TPGPT (or its pipeline chunks); opt: its AdamW, its ShardedDataParallel
-    (ZeRO) or None; mesh: the tpedu.parallel.mesh.Mesh of a 3D layout (None: the world is one
-    TP group); parallel: the run's ParallelConfig, stored in the index (None:
+    (ZeRO) or None; mesh: the run's tpedu.parallel.mesh.Mesh (None: one TP group, a model
+    saved outside train); parallel: the run's ParallelConfig, stored in the index (None:
     plain TP over the model's group, its sequence parallelism as built); scaler: the fp16
     LossScaler, whose state the index keeps ("loss_scaler"). Returns root/step_N.
     3 tiny all-reduces (barriers that also carry failures: one rank's error makes every rank
@@ -282,14 +282,13 @@ def save(
     chunks = [model] if isinstance(model, nn.Module) else list(model)
     config = chunks[0].config
     if mesh is None:
-        # CP ranks hold the same shards, as DP replicas do: only CP rank 0 writes them
-        cp = getattr(chunks[0], "cp", 1)
-        cp_rank = dist.get_rank(chunks[0].cp_group) if cp > 1 else 0
-        coords = (dist.get_rank(chunks[0].group), 0, cp_rank)
+        coords = (dist.get_rank(chunks[0].group), 0, 0)
         layout = (dist.get_world_size(chunks[0].group), 1, 1)
+        cp_rank = dist.get_rank(chunks[0].cp_group) if chunks[0].cp > 1 else 0
     else:
         coords = (mesh.tp_rank, mesh.pp_rank, mesh.dp_rank)
         layout = (mesh.layout.tp, mesh.layout.pp, mesh.layout.dp)
+        cp_rank = mesh.cp_rank
     if parallel is None:
         tp, pp, dp = layout
         sp = chunks[0].sequence_parallel
@@ -312,7 +311,7 @@ def save(
     try:
         dp_size = layout[2] if parallel.zero else 1  # how many dp ranks write optimizer state
         tensors, kinds = _rank_tensors(chunks, opt, coords, dp_size)
-        if tensors and getattr(mesh, "cp_rank", 0) == 0:  # CP ranks hold the same shards
+        if tensors and cp_rank == 0:  # CP ranks hold the same shards, as replicas do
             _write_shard(tmp, coords, tensors, kinds)
     except Exception as e:  # reported to every rank by _agree
         error = e

@@ -207,7 +207,7 @@ def check_layout(args: argparse.Namespace, n_layers: int) -> None:
     """The 3D layout's one-line errors, before any rank starts (n_layers: the model's, which
     with --resume is the checkpoint's, not --layers)."""
     from tpedu.parallel.pipeline.schedules import partition, schedule
-    from tpedu.train.loop import default_micro_batches
+    from tpedu.train.step import default_micro_batches
 
     if args.batch % args.dp:
         fail(

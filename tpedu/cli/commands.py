@@ -29,7 +29,8 @@ from tpedu.cli.checks import fail
 from tpedu.cli.parser import build_parser
 from tpedu.comm import collectives as C
 from tpedu.comm import cost_model
-from tpedu.launcher import LaunchTimeout, RankError, device, run, under_torchrun
+from tpedu.comm.device import device
+from tpedu.launcher import LaunchTimeout, RankError, run, under_torchrun
 from tpedu.model.config import GPTConfig
 from tpedu.parallel.config import ParallelConfig
 from tpedu.train.preempt import EXIT_CODE, Preempted
@@ -147,13 +148,13 @@ def model_config(args: argparse.Namespace, vocab_size: int, **fields: object) ->
 def _train(args: argparse.Namespace) -> int:
     # here, not at import: the training stack costs ~0.6 s that hello, reshard and every
     # refused input would pay
+    from tpedu.train.config import TrainConfig
     from tpedu.train.data.corpus import novel_data
-    from tpedu.train.loop import TrainConfig, train
+    from tpedu.train.loop import train
 
     parallel = checks.parallel_config(args)
     saved = checks.read_resume(args)  # with --resume, the checkpoint's model config
-    if not parallel.tp_only:
-        checks.check_layout(args, saved.n_layers if saved else args.layers)
+    checks.check_layout(args, saved.n_layers if saved else args.layers)
     try:
         tok, train_ids, val_ids = novel_data(args.tokenizer, args.bpe_vocab)
     except FileNotFoundError as e:
@@ -225,8 +226,7 @@ def _dryrun(args: argparse.Namespace) -> int:
     parallel = checks.parallel_config(args)
     config = model_config(args, args.vocab)
     checks.check_config(config, parallel)
-    if not parallel.tp_only:
-        checks.check_layout(args, args.layers)
+    checks.check_layout(args, args.layers)
     ranks = _dryrun_ranks(args.rank, parallel.world)
     # here, not at import: the analysis stack (and torch.testing's fake process group) costs
     # a second that every other subcommand would pay

@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 
 from tpedu.comm import collectives as C
+from tpedu.comm.device import device
 from tpedu.comm.volumes import ring_bytes, ring_steps
-from tpedu.launcher import device
 
 
 @dataclass(frozen=True)

@@ -44,9 +44,9 @@ import torch.distributed as dist
 
 from tpedu import model
 from tpedu.comm import collectives
+from tpedu.comm.device import device
 from tpedu.course.troubleshoot import TOLERANCE, compare_with_dense, summary
 from tpedu.cp import ring
-from tpedu.launcher import device
 from tpedu.model import gpt
 from tpedu.parallel import mesh, pipeline, zero
 from tpedu.parallel.pipeline import schedules
@@ -320,7 +320,8 @@ def _vs_data_parallel(level: int, steps: int = 2) -> tuple[bool, str]:
     step's loss and gradient norm (the whole-model norm: it shows a gradient scaled by N, which
     AdamW's update hides)."""
     from tpedu.parallel.config import ParallelConfig
-    from tpedu.train.loop import TrainConfig, train  # the whole training loop: only when checked
+    from tpedu.train.config import TrainConfig  # the whole training loop: only when checked
+    from tpedu.train.loop import train
 
     g = torch.Generator().manual_seed(0)
     tr = torch.randint(0, GPT2.vocab_size, (400,), generator=g)

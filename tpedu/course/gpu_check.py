@@ -41,12 +41,16 @@ import torch
 
 from tpedu import checkpoint
 from tpedu.analysis.shape import ModelShape
+from tpedu.comm.device import device
 from tpedu.course.troubleshoot import compare_with_dense
-from tpedu.launcher import device, launch
+from tpedu.launcher import launch
 from tpedu.model import TPGPT, DenseGPT, GPTConfig
 from tpedu.parallel.config import ParallelConfig
+from tpedu.train.config import TrainConfig
 from tpedu.train.generate import generate
-from tpedu.train.loop import TrainConfig, build_model, make_optimizer, train, train_step
+from tpedu.train.loop import train
+from tpedu.train.optim import make_optimizer
+from tpedu.train.step import build_model, train_step
 
 U = 2.0**-8  # bf16 unit roundoff: the low-precision losses must stay within a few of it
 SMALL = GPTConfig.gpt2_like(211, seq_len=32, n_layers=2, hidden=64, n_heads=4)

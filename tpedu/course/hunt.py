@@ -23,10 +23,11 @@ from types import ModuleType
 import torch
 import torch.distributed as dist
 
+from tpedu.comm.device import device
 from tpedu.course import bugzoo
 from tpedu.course.claims import within
 from tpedu.course.troubleshoot import TOLERANCE, compare_with_dense
-from tpedu.launcher import device, launch
+from tpedu.launcher import launch
 from tpedu.model.dense import DenseGPT
 from tpedu.model.gpt import TPGPT
 from tpedu.parallel import mesh

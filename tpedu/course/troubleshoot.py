@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 
 from tpedu.comm import collectives
+from tpedu.comm.device import device
 from tpedu.course.claims import within
-from tpedu.launcher import device
 from tpedu.model.dense import DenseGPT
 from tpedu.model.gpt import TPGPT
 

@@ -28,8 +28,8 @@ import torch.distributed as dist
 
 from tpedu.comm import collectives
 from tpedu.comm.cost_model import AlphaBeta
+from tpedu.comm.device import device
 from tpedu.cp.ring import _Ring
-from tpedu.launcher import device
 
 
 def ring_messages(

@@ -85,11 +85,6 @@ class ParallelConfig:
     def world(self) -> int:
         return self.tp * self.cp * self.pp * self.dp
 
-    @property
-    def tp_only(self) -> bool:
-        """Whether the tensor-parallel loop runs it (no pipeline, no replicas, no ZeRO)."""
-        return (self.pp, self.dp, self.chunks, self.zero) == (1, 1, 1, 0) and not self.micro_batches
-
     def model_options(self) -> dict[str, object]:
         """TPGPT's keyword arguments: what of this config the model itself needs (with cp > 1
         the caller adds the CP group, `cp_group`)."""

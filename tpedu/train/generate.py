@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from tpedu.checkpoint.convert import load_sharded_model
-from tpedu.launcher import device
+from tpedu.comm.device import device
 from tpedu.model.config import GPTConfig
 from tpedu.model.gpt import TPGPT
 from tpedu.serve.generate import generate_batch

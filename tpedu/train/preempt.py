@@ -50,7 +50,8 @@ import torch
 import torch.distributed as dist
 
 from tpedu.comm import collectives
-from tpedu.launcher import Stopped, device
+from tpedu.comm.device import device
+from tpedu.launcher import Stopped
 
 EXIT_CODE = 128 + signal.SIGTERM  # 143: the shell's code for "ended by SIGTERM"
 

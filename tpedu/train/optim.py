@@ -1,0 +1,80 @@
+"""Lessons 07–12: the optimizer and the data-parallel gradient reducer of a rank's chunks.
+
+AdamW (betas 0.9, 0.95) with weight decay on matrices only; over DP replicas either
+DataParallel's bucketed all-reduce and that AdamW, or (ZeRO, lesson 12) one
+ShardedDataParallel that is both the reducer and the optimizer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from tpedu.model.gpt import TPGPT
+from tpedu.parallel.data_parallel import DataParallel
+from tpedu.parallel.mesh import Mesh
+from tpedu.parallel.pipeline.runtime import tied_head_copy, tied_params
+from tpedu.parallel.zero import ShardedDataParallel
+from tpedu.train.config import TrainConfig
+from tpedu.train.precision import DTYPES
+
+
+def decayed(p: torch.nn.Parameter) -> bool:
+    """Whether AdamW decays p: matrices yes; norms and biases no."""
+    return p.dim() >= 2
+
+
+def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW; weight decay on matrices only (not on norms, biases)."""
+    decay = [p for p in model.parameters() if decayed(p)]
+    other = [p for p in model.parameters() if not decayed(p)]
+    groups = [
+        {"params": decay, "weight_decay": cfg.weight_decay},
+        {"params": other, "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95))
+
+
+def make_sharded(
+    chunks: Sequence[TPGPT], cfg: TrainConfig, level: int, mesh: Mesh
+) -> ShardedDataParallel:
+    """ZeRO-1/2/3 over the DP group for this rank's chunks: AdamW as make_optimizer's; the
+    gradients TP and the tied embedding fix up are reduce-scattered after the fix-ups; the
+    gradient norm weighs each element as TPGPT.squared_grad_sum does (a tied head's second copy
+    left out, as the step's gradient norm leaves it)."""
+
+    def weight_of(chunk: TPGPT, name: str) -> float | torch.Tensor:
+        if chunk.get_parameter(name) is tied_head_copy(chunk):
+            return 0.0
+        return 1.0 / chunk.copies_of(name)
+
+    defer = [p for c in chunks for p in c.grad_sync_params()] + tied_params(chunks)
+    return ShardedDataParallel(
+        chunks,
+        mesh.dp_group,
+        level,
+        decay=decayed,
+        weight_of=weight_of,
+        defer=defer,
+        reduce_dtype=DTYPES[cfg.dtype] if cfg.grad_reduce == "low" else None,
+        gather_dtype=DTYPES[cfg.dtype] if cfg.param_gather == "low" else None,
+        lr=cfg.lr,
+        betas=(0.9, 0.95),
+        weight_decay=cfg.weight_decay,
+    )
+
+
+def make_data_parallel(
+    chunks: Sequence[TPGPT], cfg: TrainConfig, zero: int, mesh: Mesh
+) -> tuple[DataParallel | ShardedDataParallel | None, torch.optim.Optimizer | ShardedDataParallel]:
+    """A rank's gradient reducer over its DP group and its optimizer: with ZeRO (zero ≥ 1)
+    one ShardedDataParallel is both; without, DataParallel's bucketed all-reduce (None at
+    dp 1) and make_optimizer's AdamW over all of this rank's chunks."""
+    if zero:
+        sharded = make_sharded(chunks, cfg, zero, mesh)
+        return sharded, sharded
+    stage = torch.nn.ModuleList(chunks)
+    low = DTYPES[cfg.dtype] if cfg.grad_reduce == "low" else None
+    dpar = DataParallel(stage, mesh.dp_group, reduce_dtype=low) if mesh.layout.dp > 1 else None
+    return dpar, make_optimizer(stage, cfg)
