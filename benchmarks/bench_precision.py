@@ -28,9 +28,9 @@ import torch
 from harness import BACKEND, BATCH, CONFIG, TINY, batch, interleaved, load
 
 import tpedu
+from tpedu.data.corpus import novel_data
 from tpedu.model import GPTConfig
 from tpedu.train.config import TrainConfig
-from tpedu.train.data.corpus import novel_data
 from tpedu.train.loop import train
 from tpedu.train.optim import make_optimizer
 from tpedu.train.step import build_model, train_step

@@ -15,13 +15,13 @@ from safetensors.torch import save_file
 import tpedu
 from tpedu import checkpoint
 from tpedu.comm.tracer import CommTracer
+from tpedu.data.corpus import novel_data
 from tpedu.model.config import GPTConfig
 from tpedu.model.dense import DenseGPT
 from tpedu.model.gpt import TPGPT
 from tpedu.model.state import dense_shapes, shard_map, split_tensor
 from tpedu.serve.generate import generate_batch
 from tpedu.train.config import TrainConfig
-from tpedu.train.data.corpus import novel_data
 
 # Layers and collectives (tests/test_layers.py, tests/test_mlp.py, tests/test_tp_ops.py, the
 # exercises' tests)

@@ -227,7 +227,7 @@ def _save_twice_crash_second(root, crash):
     model = TPGPT(DenseGPT(CONFIG))
     checkpoint.save(root, model, None, 1)
     if dist.get_rank() == 1:
-        real = sharded._write_bytes
+        real = sharded.write_synced
 
         def half(path, data):
             real(path, data[: len(data) // 2])  # a partial file on disk ...
@@ -235,7 +235,7 @@ def _save_twice_crash_second(root, crash):
                 os._exit(3)  # ... and the process dies (kill -9, OOM, node loss)
             raise OSError(28, "No space left on device")
 
-        sharded._write_bytes = half  # the shard writer's own reference
+        sharded.write_synced = half  # the shard writer's own reference
     with torch.no_grad():
         model.blocks[0].attn.qkv_weight.add_(1.0)
     checkpoint.save(root, model, None, 2)

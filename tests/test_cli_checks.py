@@ -18,8 +18,8 @@ from tests.helpers import (  # the CLI in this process: (exit code, stdout, stde
 )
 from tpedu import checkpoint, launch
 from tpedu.cli.commands import main
+from tpedu.data.corpus import novel_data
 from tpedu.model.dense import DenseGPT
-from tpedu.train.data.corpus import novel_data
 from tpedu.train.generate import generate
 
 TINY = "--layers 1 --hidden 32 --heads 2 --seq 16 --batch 2 --steps 1".split()
@@ -269,7 +269,7 @@ def test_a_prompt_the_tokenizer_cannot_encode_fails_before_ranks_start(tmp_path,
 
 
 def test_a_byte_level_bpe_model_takes_any_prompt(tmp_path, capfd):
-    from tpedu.train.data.tokenizer import BPETokenizer
+    from tpedu.data.tokenizer import BPETokenizer
 
     tok = BPETokenizer.train("满纸荒唐言，一把辛酸泪。\nHello there\n", 300)
     write_model_dir(tmp_path / "m", tiny_config(tok.vocab_size), tok)

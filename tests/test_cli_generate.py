@@ -12,7 +12,7 @@ from tests.helpers import (
     write_model_dir,
 )
 from tpedu import launch
-from tpedu.train.data.corpus import novel_data
+from tpedu.data.corpus import novel_data
 from tpedu.train.generate import generate
 
 

@@ -119,10 +119,10 @@ def test_a_prompt_with_characters_the_model_does_not_know_is_refused(trained):
 
 def test_a_truncated_checkpoint_is_refused_before_ranks_start(tmp_path):
     from tpedu import checkpoint
+    from tpedu.data.corpus import novel_data
     from tpedu.model.config import GPTConfig
     from tpedu.model.dense import DenseGPT
     from tpedu.parallel.config import ParallelConfig
-    from tpedu.train.data.corpus import novel_data
 
     config = GPTConfig.gpt2_like(
         novel_data("char")[0].vocab_size, seq_len=16, n_layers=1, hidden=32, n_heads=2

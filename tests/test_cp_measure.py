@@ -49,7 +49,7 @@ def _blocks_ring_attention_computes(s: int, layout: str) -> list[tuple[int, int]
     cp, rank = dist.get_world_size(), dist.get_rank()
     positions = torch.stack([chunk_positions(s, cp, r, layout) for r in range(cp)])
     first = {int(p[0]): r for r, p in enumerate(positions)}
-    seen, original = [], ring_module._block
+    seen, original = [], ring_module.block_scores
 
     def spy(q, k, mask, scale):
         seen.append((first[int(k[0, 0, 0, 0])], int(mask.sum())))
@@ -57,11 +57,11 @@ def _blocks_ring_attention_computes(s: int, layout: str) -> list[tuple[int, int]
 
     q, k, v = (torch.randn(1, 2, s // cp, 4) for _ in range(3))
     k[..., 0] = positions[rank].double()
-    ring_module._block = spy
+    ring_module.block_scores = spy
     try:
         ring_attention(q, k, v, positions)
     finally:
-        ring_module._block = original
+        ring_module.block_scores = original
     return seen
 
 

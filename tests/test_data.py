@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from tpedu.train.data import corpus, tokenizer
-from tpedu.train.data.batches import IGNORE, packed_batch, padded_batch
+from tpedu.data import corpus, tokenizer
+from tpedu.data.batches import IGNORE, packed_batch, padded_batch
 
 
 @pytest.fixture(scope="module")

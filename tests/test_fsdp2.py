@@ -17,10 +17,10 @@ from torch.distributed.tensor import DTensor, Shard
 
 from tests.helpers import CFG, CONFIG, F64, data, f64
 from tpedu import launch
+from tpedu.data.batches import packed_batch
 from tpedu.model.dense import DenseGPT
 from tpedu.parallel.config import ParallelConfig
 from tpedu.train.config import lr_at
-from tpedu.train.data.batches import packed_batch
 from tpedu.train.loop import train
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"

@@ -149,8 +149,8 @@ def test_gradient_norm_counts_follow_the_model_to_its_device():
 
 
 def train_losses(config, steps):
+    from tpedu.data.corpus import novel_data
     from tpedu.train.config import TrainConfig
-    from tpedu.train.data.corpus import novel_data
     from tpedu.train.loop import train
 
     _, train_ids, val_ids = novel_data("char")
@@ -165,7 +165,7 @@ def test_training_steps_match_on_the_novel():
     divides by sqrt(v), which amplifies tiny gradient differences early on, so losses agree to
     ~1e-5 relative after a few steps. A real bug (a missing all-reduce) shifts them by > 1e-2.
     """
-    from tpedu.train.data.corpus import novel_data
+    from tpedu.data.corpus import novel_data
 
     tok, _, _ = novel_data("char")
     config = GPTConfig.gpt2_like(tok.vocab_size, seq_len=32, n_layers=2, hidden=32, n_heads=4)

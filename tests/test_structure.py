@@ -10,8 +10,11 @@ but that is not a dependency of the importing module).
 
 Layers, lowest first; a module may import its own layer and those below:
 
-    launcher < comm < tp < model < parallel < train = checkpoint = serve < analysis = course
-             < cli < __main__
+    launcher < comm < tp < cp < model < parallel < data < checkpoint < serve < train < analysis
+             < course < grading < cli < __main__
+
+Every sub-package has a layer of its own, so the packages cannot import each other in a circle
+either (a test says so separately: a tangle of packages is named as one).
 
 `tpedu/__init__.py` (the package's face) imports only tpedu.launcher and tpedu.comm.device and
 counts as the launcher's layer.
@@ -30,27 +33,24 @@ import pytest
 PACKAGE = "tpedu"
 ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 
-LAYERS = {
-    "launcher": 0,
-    "comm": 1,
-    "tp": 2,
-    "cp": 2,
-    "model": 3,
-    "parallel": 4,
-    "train": 5,
-    "checkpoint": 5,
-    "serve": 5,
-    "analysis": 6,
-    "course": 6,
-    "grading": 6,
-    "cli": 7,
-    "__main__": 8,
-}
 ORDER = (
-    "launcher < comm < tp < model < parallel < train = checkpoint = serve < analysis = course = "
-    "grading "
-    "< cli < __main__"
+    "launcher",
+    "comm",
+    "tp",
+    "cp",
+    "model",
+    "parallel",
+    "data",
+    "checkpoint",
+    "serve",
+    "train",
+    "analysis",
+    "course",
+    "grading",
+    "cli",
+    "__main__",
 )
+LAYERS = {name: i for i, name in enumerate(ORDER)}
 FACE_MAY_IMPORT = {f"{PACKAGE}.launcher", f"{PACKAGE}.comm.device"}
 
 # The first line of every module docstring: the lesson it belongs to, or course infrastructure.
@@ -254,11 +254,96 @@ def test_no_import_cycles():
         pytest.fail(f"{len(cycles)} import cycle(s):\n{text}", pytrace=False)
 
 
+def package_edges(edges: list[Edge]) -> list[Edge]:
+    """The import graph between sub-packages: one edge per module import that crosses two."""
+    out = []
+    for e in edges:
+        src, dst = e.source.split(".")[:2], e.target.split(".")[:2]
+        if src != dst and len(src) == len(dst) == 2:
+            out.append(Edge(".".join(src), ".".join(dst), e.file, e.line))
+    return out
+
+
+def test_no_package_cycles():
+    """Modules can be free of cycles while their packages are not (a.x -> b.y -> a.z)."""
+    cycles = find_cycles(package_edges(imports()))
+    if cycles:
+        text = "\n".join(f"  {describe_cycle(*c)}" for c in cycles)
+        pytest.fail(f"{len(cycles)} package cycle(s):\n{text}", pytrace=False)
+
+
+def test_a_package_cycle_is_found():
+    edges = [
+        Edge("tpedu.a.x", "tpedu.b.y", "a/x.py", 1),
+        Edge("tpedu.b.z", "tpedu.a.w", "b/z.py", 2),
+    ]
+    assert find_cycles(edges) == []  # no module cycle ...
+    ((cycle, members),) = find_cycles(package_edges(edges))  # ... but a package one
+    assert members == ["tpedu.a", "tpedu.b"]
+
+
 def test_no_upward_imports():
     bad = upward_imports(imports())
     if bad:
         text = "\n".join(f"  {b}" for b in bad)
-        pytest.fail(f"imports against the layer order ({ORDER}):\n{text}", pytrace=False)
+        pytest.fail(
+            f"imports against the layer order ({' < '.join(ORDER)}):\n{text}", pytrace=False
+        )
+
+
+def private_uses(root: Path = ROOT) -> list[str]:
+    """Every use of another module's private name (`_x`, not dunders): imported by name, or
+    read off a tpedu module bound by an import (`collectives._names`)."""
+    known = modules(root)
+    bad = []
+    for path in known.values():
+        where = path.relative_to(root.parent).as_posix()
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        module_aliases = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(PACKAGE):
+                for alias in node.names:
+                    if alias.name.startswith("_") and not alias.name.startswith("__"):
+                        bad.append(f"{where}:{node.lineno}: imports {node.module}.{alias.name}")
+                    if f"{node.module}.{alias.name}" in known:
+                        module_aliases.add(alias.asname or alias.name)
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name.startswith(PACKAGE) and alias.asname:
+                        module_aliases.add(alias.asname)
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in module_aliases
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+            ):
+                bad.append(f"{where}:{node.lineno}: uses {node.value.id}.{node.attr}")
+    return bad
+
+
+def test_no_private_name_is_used_across_modules():
+    """A name another module needs is part of its owner's interface: public, documented."""
+    bad = private_uses()
+    assert not bad, "private names used outside their module:\n" + "\n".join(bad)
+
+
+def test_private_uses_on_a_small_tree(tmp_path):
+    pkg = tmp_path / PACKAGE
+    for rel, text in {
+        "comm/__init__.py": "",
+        "comm/collectives.py": "_g = _h = 0\n",
+        "tp/__init__.py": "",
+        "tp/priv.py": "from tpedu.comm.collectives import _g\nfrom tpedu.comm import collectives\n"
+        "collectives._h\ncollectives.__name__\n",
+    }.items():
+        (pkg / rel).parent.mkdir(parents=True, exist_ok=True)
+        (pkg / rel).write_text(text)
+    assert private_uses(pkg) == [
+        "tpedu/tp/priv.py:1: imports tpedu.comm.collectives._g",
+        "tpedu/tp/priv.py:3: uses collectives._h",
+    ]
 
 
 def test_reader_on_a_small_tree(tmp_path):

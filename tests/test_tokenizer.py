@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from tpedu.train.data import tokenizer
+from tpedu.data import tokenizer
 
 TEXT = "满纸荒唐言，一把辛酸泪。都云作者痴，谁解其中味？\n"
 

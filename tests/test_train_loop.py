@@ -21,10 +21,10 @@ import torch
 from safetensors.torch import load_file
 
 from tpedu import launch
+from tpedu.data.batches import packed_batch
 from tpedu.model.config import GPTConfig
 from tpedu.model.dense import DenseGPT
 from tpedu.train.config import TrainConfig, lr_at
-from tpedu.train.data.batches import packed_batch
 from tpedu.train.loop import train
 from tpedu.train.step import clip_grads
 

@@ -15,12 +15,12 @@ import torch
 from tests.helpers import CFG, CONFIG, F64, V, check, data, f64
 from tpedu import checkpoint, launch
 from tpedu.comm.tracer import CommTracer
+from tpedu.data.batches import packed_batch
 from tpedu.model.config import GPTConfig
 from tpedu.model.sharded_init import build_sharded
 from tpedu.parallel.config import ParallelConfig
 from tpedu.parallel.mesh import Layout, Mesh
 from tpedu.train.config import TrainConfig
-from tpedu.train.data.batches import packed_batch
 from tpedu.train.loop import train
 from tpedu.train.optim import make_sharded
 

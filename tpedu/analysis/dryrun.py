@@ -93,7 +93,7 @@ from tpedu.model.dense import DenseGPT
 from tpedu.parallel.config import ParallelConfig
 from tpedu.parallel.mesh import Mesh
 from tpedu.parallel.pipeline.runtime import build_stage_chunks
-from tpedu.parallel.pipeline.schedules import _parts
+from tpedu.parallel.pipeline.schedules import action_parts
 from tpedu.parallel.pipeline.schedules import schedule as pipeline_schedule
 from tpedu.parallel.zero import ShardedDataParallel
 from tpedu.tp.embedding import padded_vocab
@@ -353,7 +353,7 @@ def _peak(
     held: list[tuple[int, int]] = []
     best, at_peak, parts = 0, [], (0, 0, 0)
     for action in actions:
-        kind, mb, c = _parts(action)
+        kind, mb, c = action_parts(action)
         if kind == "F":
             held.append((mb, c))
             total = sum(sum(per_forward[k]) for k in held)
@@ -530,14 +530,12 @@ def fake_world(rank: int, world: int) -> Iterator[None]:
             "a process group is already initialised in this process; run the dry run in a "
             "fresh process (dry_run does that by itself)"
         )
-    names = dict(collectives._group_names)  # Mesh names its groups; the ids die with them
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-        collectives._group_names.clear()
-        collectives._group_names.update(names)
+    with collectives.group_names_kept():  # Mesh names its groups; the ids die with them
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
 
 
 def default_ranks(parallel: ParallelConfig) -> list[int]:

@@ -23,19 +23,20 @@ from safetensors.torch import save_file
 from torch import nn
 
 import tpedu
-from tpedu.checkpoint.files import CheckpointError, _export_tmp, replace_dir
+from tpedu.checkpoint.files import CheckpointError, export_tmp, replace_dir
 from tpedu.checkpoint.sharded import (
     FORMAT,
-    _finalize,
-    _prepare,
-    _Reader,
-    _write_shard,
+    ShardReader,
+    finalize_step,
     layout_entry,
+    prepare_step,
     read_config,
     read_index,
     read_parallel,
     resolve,
+    write_shard,
 )
+from tpedu.data import tokenizer
 from tpedu.model.config import GPTConfig
 from tpedu.model.dense import DenseGPT
 from tpedu.model.gpt import TPGPT
@@ -48,7 +49,6 @@ from tpedu.model.state import (
 )
 from tpedu.parallel.config import ParallelConfig
 from tpedu.parallel.pipeline.schedules import stage_of
-from tpedu.train.data import tokenizer
 
 
 def write_model_dir(
@@ -62,7 +62,7 @@ def write_model_dir(
     process, atomically: into a temporary sibling, then `replace_dir`. `out` must be absent or
     a model directory (`check_replaceable`): whatever else is there is never replaced."""
     out = Path(out)
-    tmp = _export_tmp(out)
+    tmp = export_tmp(out)
     save_file({k: v.contiguous().cpu() for k, v in state.items()}, tmp / "model.safetensors")
     meta = {"model": config.to_dict(), "train": train, "format": DENSE_FORMAT}
     (tmp / "config.json").write_text(json.dumps(meta, indent=2))
@@ -102,7 +102,7 @@ def read_dense(
     `step/<name>`. One process; memory: the whole model (and its optimizer state) once."""
     step_dir, index = read_index(path)
     config = read_config(step_dir)
-    reader = _Reader(step_dir, index, verify)
+    reader = ShardReader(step_dir, index, verify)
     return config, {k: reader.dense(k, config) for k in index["tensors"]}, index
 
 
@@ -124,7 +124,7 @@ def write_sharded(
     tp, pp = parallel.tp, parallel.pp
     layout = layout_entry(parallel, config)
     stages = [range(a, b) for a, b in layout["stages"]]
-    tmp = _prepare(Path(root), step)
+    tmp = prepare_step(Path(root), step)
     for p in range(pp):
         for t in range(tp):
             out, kinds = {}, {}
@@ -134,7 +134,7 @@ def write_sharded(
                 if stage_of(name, stages, pp) != p or (kind == "replicated" and t):
                     continue
                 out[key], kinds[key] = split_tensor(dense, kind, tp, t, config), kind
-            _write_shard(tmp, (t, p, 0), out, kinds)
+            write_shard(tmp, (t, p, 0), out, kinds)
     head = dict(header or {})
     head.update(
         {
@@ -146,7 +146,7 @@ def write_sharded(
         }
     )
     head.pop("files", None), head.pop("tensors", None)
-    return _finalize(Path(root), tmp, step, head, tok)
+    return finalize_step(Path(root), tmp, step, head, tok)
 
 
 def reshard(

@@ -2,7 +2,7 @@
 
 Every file is written and fsynced before it counts; a directory is written complete under a
 temporary name and then renamed into place (`replace_dir`), the old one kept complete until the
-new one is there, so a crash never leaves half a directory under the final name; `_sha256` gives
+new one is there, so a crash never leaves half a directory under the final name; `file_sha256` gives
 the checksums an index records. `CheckpointError` is the one error a checkpoint that cannot
 be loaded as asked raises, naming the file and the field.
 """
@@ -20,7 +20,7 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded as asked; the message names the file and the field."""
 
 
-def _write_bytes(path: Path, data: bytes) -> None:
+def write_synced(path: Path, data: bytes) -> None:
     """Write and fsync: once this returns, the bytes are on disk, not just in the page cache."""
     with open(path, "wb") as f:
         f.write(data)
@@ -28,7 +28,7 @@ def _write_bytes(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)  # makes the directory entries (new files, renames) durable
@@ -36,7 +36,7 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -63,7 +63,7 @@ def replace_dir(tmp: Path, final: Path) -> None:
         if old is not None:
             os.rename(old, final)
         raise
-    _fsync_dir(final.parent)
+    fsync_dir(final.parent)
     if old is not None:
         shutil.rmtree(old)
 
@@ -84,7 +84,7 @@ def check_replaceable(out: str | Path) -> None:
     )
 
 
-def _export_tmp(out: Path) -> Path:
+def export_tmp(out: Path) -> Path:
     """An empty `.tmp-<name>` sibling of `out` to write an export into, then `replace_dir` it.
     An export replaces `out` as a whole: refuse unless `check_replaceable` allows it."""
     check_replaceable(out)

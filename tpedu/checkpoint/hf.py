@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from tpedu.checkpoint import hf_gpt2, hf_llama
 from tpedu.checkpoint.convert import fill_rank_slices, read_dense
-from tpedu.checkpoint.files import _export_tmp, replace_dir
+from tpedu.checkpoint.files import export_tmp, replace_dir
 from tpedu.checkpoint.hf_gpt2 import check_gpt2_shaped
 from tpedu.checkpoint.hf_llama import check_llama_shaped
 from tpedu.checkpoint.hf_map import HFFiles
@@ -120,7 +120,7 @@ def export_hf(src: str | Path, out: str | Path) -> Path:
     if config.tie_embeddings:
         state.pop("lm_head.weight")  # tied to the embedding: transformers re-ties it on load
     out = Path(out)
-    tmp = _export_tmp(out)
+    tmp = export_tmp(out)
     hf_config(config).save_pretrained(tmp)
     save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
     replace_dir(tmp, out)  # a failed export leaves the previous `out` as it was

@@ -66,7 +66,13 @@ from safetensors.torch import save as safetensors_bytes
 from torch import nn
 
 import tpedu
-from tpedu.checkpoint.files import CheckpointError, _fsync_dir, _sha256, _write_bytes, replace_dir
+from tpedu.checkpoint.files import (
+    CheckpointError,
+    file_sha256,
+    fsync_dir,
+    replace_dir,
+    write_synced,
+)
 from tpedu.comm import collectives
 from tpedu.model.config import LEGACY, GPTConfig
 from tpedu.model.gpt import TPGPT
@@ -108,7 +114,7 @@ def shard_file(tp_rank: int, pp_rank: int, dp_rank: int) -> str:
     return f"tp{tp_rank}-pp{pp_rank}-dp{dp_rank}.safetensors"
 
 
-def _prepare(root: Path, step: int) -> Path:
+def prepare_step(root: Path, step: int) -> Path:
     """A fresh temporary directory for this step (a stale one from a crashed save is removed)."""
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f".tmp-{step_name(step)}"
@@ -118,7 +124,7 @@ def _prepare(root: Path, step: int) -> Path:
     return tmp
 
 
-def _write_shard(
+def write_shard(
     tmp: Path, coords: tuple[int, int, int], tensors: dict[str, torch.Tensor], kinds: dict[str, str]
 ) -> None:
     meta = {
@@ -128,17 +134,17 @@ def _write_shard(
         "kinds": json.dumps(kinds),
     }
     data = safetensors_bytes({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, meta)
-    _write_bytes(tmp / shard_file(*coords), data)
+    write_synced(tmp / shard_file(*coords), data)
 
 
-def _finalize(root: Path, tmp: Path, step: int, header: dict, tok: object | None) -> Path:
+def finalize_step(root: Path, tmp: Path, step: int, header: dict, tok: object | None) -> Path:
     """Index the shard files in `tmp`, write index.json, rename to step_N, then move `latest`."""
     config = GPTConfig.from_dict(header["model"])
     shapes = dense_shapes(config)
     tensors: dict[str, dict] = {}
     files: dict[str, dict] = {}
     for path in sorted(tmp.glob("*.safetensors")):
-        files[path.name] = {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+        files[path.name] = {"bytes": path.stat().st_size, "sha256": file_sha256(path)}
         with safe_open(path, framework="pt") as f:
             meta = f.metadata()
             kinds = json.loads(meta["kinds"])
@@ -168,13 +174,13 @@ def _finalize(root: Path, tmp: Path, step: int, header: dict, tok: object | None
     index = {**header, "step": step, "files": files, "tensors": dict(sorted(tensors.items()))}
     if tok is not None:
         tok.save(tmp / "tokenizer.json")
-    _write_bytes(tmp / INDEX, json.dumps(index, indent=1).encode())
-    _fsync_dir(tmp)
+    write_synced(tmp / INDEX, json.dumps(index, indent=1).encode())
+    fsync_dir(tmp)
     final = root / step_name(step)
     replace_dir(tmp, final)  # renames, atomic on one file system: never a half-written step_N
-    _write_bytes(root / ".latest.tmp", f"{final.name}\n".encode())
+    write_synced(root / ".latest.tmp", f"{final.name}\n".encode())
     os.replace(root / ".latest.tmp", root / LATEST)  # atomic too: latest moves last
-    _fsync_dir(root)
+    fsync_dir(root)
     return final
 
 
@@ -223,7 +229,7 @@ def _header(
         "layout": layout_entry(parallel, config),
         "tokens_seen": step * batch * config.seq_len if batch else None,
         "data": {
-            "sampler": "tpedu.train.data.batches.packed_batch",
+            "sampler": "tpedu.data.batches.packed_batch",
             "seed": seed,
             "next_step": step,
             "note": "batch k is drawn from a generator seeded by (seed, k): resuming at "
@@ -304,7 +310,7 @@ def save(
     error: BaseException | None = None
     try:
         if rank0:
-            _prepare(root, step)
+            prepare_step(root, step)
     except Exception as e:  # reported to every rank by _agree
         error = e
     _agree(error, f"preparing {tmp}")
@@ -312,7 +318,7 @@ def save(
         dp_size = layout[2] if parallel.zero else 1  # how many dp ranks write optimizer state
         tensors, kinds = _rank_tensors(chunks, opt, coords, dp_size)
         if tensors and cp_rank == 0:  # CP ranks hold the same shards, as replicas do
-            _write_shard(tmp, coords, tensors, kinds)
+            write_shard(tmp, coords, tensors, kinds)
     except Exception as e:  # reported to every rank by _agree
         error = e
     _agree(error, f"writing {tmp}")
@@ -322,7 +328,7 @@ def save(
             header = _header(config, parallel, step, train_cfg, opt)
             if scaler is not None:
                 header["loss_scaler"] = scaler.state_dict()
-            _finalize(root, tmp, step, header, tok)
+            finalize_step(root, tmp, step, header, tok)
     except Exception as e:
         error = e
     _agree(error, f"finalizing {final}")
@@ -485,7 +491,7 @@ def check_file(step_dir: Path, index: dict, file: str, verify: bool = True) -> N
             f"{path} is truncated or overwritten: {size} bytes, "
             f"{INDEX} field 'files.{file}.bytes' says {info['bytes']}"
         )
-    if verify and _sha256(path) != info["sha256"]:
+    if verify and file_sha256(path) != info["sha256"]:
         raise CheckpointError(
             f"{path} is corrupted: its SHA-256 differs from {INDEX} field 'files.{file}.sha256'"
         )
@@ -500,7 +506,7 @@ def check_files(path: str | Path, verify: bool = False) -> tuple[Path, dict]:
     return step_dir, index
 
 
-class _Reader:
+class ShardReader:
     """Reads shards, verifying each file (present, size, SHA-256) once, before its first use."""
 
     def __init__(self, step_dir: Path, index: dict, verify: bool = True) -> None:
@@ -604,7 +610,7 @@ def load(
     try:
         step_dir, index = read_index(path)
         check_config(index, config, step_dir)
-        reader = _Reader(step_dir, index, verify)
+        reader = ShardReader(step_dir, index, verify)
         shapes = dense_shapes(config)
         state_keys = sorted({k.split("/", 1)[0] for k in index["tensors"] if "/" in k})
         if (sharded or (inner is not None and managed)) and index["step"] > 0 and not state_keys:

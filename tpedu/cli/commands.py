@@ -148,8 +148,8 @@ def model_config(args: argparse.Namespace, vocab_size: int, **fields: object) ->
 def _train(args: argparse.Namespace) -> int:
     # here, not at import: the training stack costs ~0.6 s that hello, reshard and every
     # refused input would pay
+    from tpedu.data.corpus import novel_data
     from tpedu.train.config import TrainConfig
-    from tpedu.train.data.corpus import novel_data
     from tpedu.train.loop import train
 
     parallel = checks.parallel_config(args)

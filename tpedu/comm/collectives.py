@@ -14,6 +14,9 @@ included; nothing is emulated.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import torch.distributed as dist
 
@@ -34,6 +37,19 @@ def group_name(group: dist.ProcessGroup | None) -> str:
     if id(g) in _group_names:
         return _group_names[id(g)]
     return "world" if g is dist.group.WORLD else f"group{id(g) % 10000}"
+
+
+@contextlib.contextmanager
+def group_names_kept() -> Iterator[None]:
+    """Inside: groups may be named; after, the names are those from before. For a process
+    group that is torn down inside (a dry run's fake world): its groups' ids are reused by
+    later objects, which would otherwise inherit their names."""
+    before = dict(_group_names)
+    try:
+        yield
+    finally:
+        _group_names.clear()
+        _group_names.update(before)
 
 
 def _trace(op: str, x: torch.Tensor, group: dist.ProcessGroup | None, numel: int) -> None:

@@ -72,7 +72,7 @@ class Bug:
 
 
 @contextlib.contextmanager
-def _patched(owner: object, attr: str, value: object) -> Iterator[None]:
+def patched(owner: object, attr: str, value: object) -> Iterator[None]:
     """Set owner.attr = value for the block (class attributes keep their staticmethod wrapper;
     one the class only inherits is deleted again afterwards)."""
     inherited = isinstance(owner, type) and attr not in owner.__dict__
@@ -161,7 +161,10 @@ def _dropout_per_rank(x: torch.Tensor, p: float, seed: int, *args: object, **kwa
 # ----------------------------------------------------------------------------------- checks
 
 
-def _batch(config: model.GPTConfig, seed: int = 1, b: int = 3, s: int = 6):
+def example_batch(
+    config: model.GPTConfig, seed: int = 1, b: int = 3, s: int = 6
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random ids and targets [b, s] from `seed`: the same on every rank."""
     g = torch.Generator().manual_seed(seed)
     return (
         torch.randint(0, config.vocab_size, (b, s), generator=g),
@@ -176,7 +179,7 @@ def _vs_dense(
     training: bool = False,
     **options: bool | str,
 ) -> tuple[bool, str]:
-    ids, tgt = _batch(config, seed)
+    ids, tgt = example_batch(config, seed)
     cmp = compare_with_dense(config, group, ids, tgt, training=training, **options)
     return cmp.ok, cmp.summary()
 
@@ -233,7 +236,7 @@ def check_pipeline() -> tuple[bool, str]:
     torch.manual_seed(0)
     dense = model.DenseGPT(GPT2)  # built on the CPU (the same init on every rank), then moved
     chunks = [c.to(device()) for c in pipeline.build_stage_chunks(dense, m.tp_group, m.pp_rank, 2)]
-    ids, tgt = (x.to(device()) for x in _batch(GPT2, b=4))
+    ids, tgt = (x.to(device()) for x in example_batch(GPT2, b=4))
     acts = pipeline.schedule("1f1b", 2, 2, m.pp_rank)
     try:
         pipeline.run_schedule(
@@ -277,7 +280,7 @@ def check_cp_step() -> tuple[bool, str]:
     torch.manual_seed(0)
     dense = model.DenseGPT(GPT2).double()
     tp_model = model.TPGPT(dense, singles[rank], cp_group=cp_group)
-    ids, tgt = _batch(GPT2, b=2, s=8)
+    ids, tgt = example_batch(GPT2, b=2, s=8)
     want = dense(ids, tgt)
     want.backward()
     loss = tp_model(*(split_sequence(t, world, rank, "zigzag", dim=1) for t in (ids, tgt)))
@@ -370,7 +373,7 @@ BUGS: dict[str, Bug] = {
         Bug(
             "no_backward_all_reduce",
             "f (copy_to_tp_region) forgets the all-reduce in backward",
-            lambda: _patched(tp_ops.CopyToTPRegion, "backward", staticmethod(_copy_backward_local)),
+            lambda: patched(tp_ops.CopyToTPRegion, "backward", staticmethod(_copy_backward_local)),
             check_tp_step,
             2,
             "forward and loss identical; the gradient of every layer in front of an f differs "
@@ -381,7 +384,7 @@ BUGS: dict[str, Bug] = {
         Bug(
             "wrong_group",
             "f̄ all-reduces over every rank instead of the TP group",
-            lambda: _patched(
+            lambda: patched(
                 tp_ops.ReduceFromTPRegion, "forward", staticmethod(_reduce_forward_world)
             ),
             check_two_groups,
@@ -394,7 +397,7 @@ BUGS: dict[str, Bug] = {
         Bug(
             "sp_norm_grads_unsynced",
             "sequence parallel: LayerNorm/bias gradients not all-reduced",
-            lambda: _patched(gpt, "all_reduce_sequence_parallel_grads", _sync_nothing),
+            lambda: patched(gpt, "all_reduce_sequence_parallel_grads", _sync_nothing),
             check_sp_step,
             2,
             "loss identical; only norm weights/biases and row-parallel biases have the wrong "
@@ -404,7 +407,7 @@ BUGS: dict[str, Bug] = {
         Bug(
             "padded_vocab_unmasked",
             "padding columns of the vocab-parallel logits not masked",
-            lambda: _patched(vocab_parallel, "_mask_padding", _no_padding_mask),
+            lambda: patched(vocab_parallel, "_mask_padding", _no_padding_mask),
             check_tp_step,
             2,
             "loss too high by log(1 + n_pad·e^(-m)/S) whenever vocab % tp != 0 (fine when it "
@@ -415,7 +418,7 @@ BUGS: dict[str, Bug] = {
         Bug(
             "argmax_one_shard",
             "greedy decoding: argmax over this rank's vocabulary shard",
-            lambda: _patched(vocab_parallel, "vocab_parallel_argmax", _argmax_one_shard),
+            lambda: patched(vocab_parallel, "vocab_parallel_argmax", _argmax_one_shard),
             check_argmax,
             2,
             "training is fine; generated text differs per rank and from tp=1 (each rank emits "
@@ -425,7 +428,7 @@ BUGS: dict[str, Bug] = {
         Bug(
             "fused_qkv_naive_split",
             "fused [q|k|v] weight chunked into t row blocks",
-            lambda: _patched(attention, "split_qkv", _split_qkv_naive),
+            lambda: patched(attention, "split_qkv", _split_qkv_naive),
             check_tp_step,
             2,
             "runs without error (the shapes fit); loss at tp>1 differs from tp=1 at step 0 and "
@@ -435,7 +438,7 @@ BUGS: dict[str, Bug] = {
         Bug(
             "kv_wrong_replica",
             "tp > KV heads: rank r takes KV head r mod nkv, not r // (tp/nkv)",
-            lambda: _patched(attention, "local_heads", _local_heads_modulo),
+            lambda: patched(attention, "local_heads", _local_heads_modulo),
             check_gqa_step,
             4,
             "GQA model at tp > n_kv_heads: queries attend with another group's keys; loss "
@@ -445,7 +448,7 @@ BUGS: dict[str, Bug] = {
         Bug(
             "kv_replica_grads_unsynced",
             "replicated KV heads' gradients never summed",
-            lambda: _patched(
+            lambda: patched(
                 attention.ParallelAttention, "all_reduce_replicated_kv_grads", _no_kv_sync
             ),
             check_gqa_step,
@@ -457,7 +460,7 @@ BUGS: dict[str, Bug] = {
         Bug(
             "seed_tp_groups",
             "TP groups built as in the second seed (same tp_rank: never a TP group)",
-            lambda: _patched(mesh.Layout, "tp_groups", _seed_tp_groups),
+            lambda: patched(mesh.Layout, "tp_groups", _seed_tp_groups),
             check_mesh_groups,
             4,
             "at dp = pp = 1 each 'TP group' is one rank: tpedu silently runs the unsharded model "
@@ -469,7 +472,7 @@ BUGS: dict[str, Bug] = {
         Bug(
             "pipeline_warmup_reversed",
             "1F1B warm-up counted from the wrong end (s, not p-1-s)",
-            lambda: _patched(schedules, "one_f_one_b", _one_f_one_b_reversed),
+            lambda: patched(schedules, "one_f_one_b", _one_f_one_b_reversed),
             check_pipeline,
             2,
             "hang: stage 0 waits for a gradient, stage 1 for an activation; with a timeout, "
@@ -479,7 +482,7 @@ BUGS: dict[str, Bug] = {
         Bug(
             "dropout_rank_masks",
             "dropout seeded per rank in replicated regions",
-            lambda: _patched(gpt, "index_dropout", _dropout_per_rank),
+            lambda: patched(gpt, "index_dropout", _dropout_per_rank),
             check_dropout_step,
             2,
             "fine with dropout 0 or in eval; in training the replicated residual stream differs "
@@ -490,7 +493,7 @@ BUGS: dict[str, Bug] = {
         Bug(
             "cp_lse_merge_averaged",
             "ring attention averages the blocks' partial outputs instead of weighting them",
-            lambda: _patched(ring, "merge_partials", _merge_averaged),
+            lambda: patched(ring, "merge_partials", _merge_averaged),
             check_cp_step,
             2,
             "runs and trains, loss a little off from tp=1 and every gradient wrong; with one "
@@ -501,7 +504,7 @@ BUGS: dict[str, Bug] = {
         Bug(
             "cp_grads_unsynced",
             "context parallel: gradients never summed over the CP ranks",
-            lambda: _patched(gpt, "all_reduce_context_parallel_grads", _sync_nothing),
+            lambda: patched(gpt, "all_reduce_context_parallel_grads", _sync_nothing),
             check_cp_step,
             2,
             "loss identical, every gradient about 1/cp of the right one (each rank saw its "
@@ -511,7 +514,7 @@ BUGS: dict[str, Bug] = {
         Bug(
             "cp_positions_not_offset",
             "context parallel: each rank numbers its positions from 0",
-            lambda: _patched(gpt, "chunk_positions", _positions_from_zero),
+            lambda: patched(gpt, "chunk_positions", _positions_from_zero),
             check_cp_step,
             2,
             "with learned positions every chunk gets the first positions' embeddings; the causal "
@@ -521,7 +524,7 @@ BUGS: dict[str, Bug] = {
         Bug(
             "cp_zigzag_offsets_wrong",
             "zig-zag split of the data, contiguous positions in the model",
-            lambda: _patched(gpt, "chunk_positions", _positions_contiguous),
+            lambda: patched(gpt, "chunk_positions", _positions_contiguous),
             check_cp_step,
             2,
             "loss off from tp=1 on every step; a contiguous split (or cp = 1) hides it",
@@ -530,7 +533,7 @@ BUGS: dict[str, Bug] = {
         Bug(
             "zero_grads_summed",
             "ZeRO: reduce-scattered gradient shards summed over the DP ranks, not averaged",
-            lambda: _patched(zero.FlatBuffer, "finish_grads", _finish_grads_summed),
+            lambda: patched(zero.FlatBuffer, "finish_grads", _finish_grads_summed),
             check_zero2_step,
             2,
             "loss identical at step 0 and nearly so after (AdamW divides by √v: a gradient "
@@ -542,7 +545,7 @@ BUGS: dict[str, Bug] = {
         Bug(
             "zero_shard_updated_twice",
             "ZeRO: the AdamW step runs inside the loop over parameter groups",
-            lambda: _patched(zero.ShardedDataParallel, "step", _step_per_group),
+            lambda: patched(zero.ShardedDataParallel, "step", _step_per_group),
             check_zero2_step,
             2,
             "loss and gradient norm right at step 0, then off from step 1: every shard took two "
@@ -554,8 +557,8 @@ BUGS: dict[str, Bug] = {
         Bug(
             "zero3_no_backward_gather",
             "ZeRO-3: a block freed after forward is not re-gathered before its backward",
-            lambda: _patched(
-                zero._GatherForBackward, "backward", staticmethod(_backward_without_gather)
+            lambda: patched(
+                zero.GatherForBackward, "backward", staticmethod(_backward_without_gather)
             ),
             check_zero3_step,
             2,

@@ -61,7 +61,7 @@ def _curves(config: object, group: object = None, steps: int = 5) -> tuple[list,
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (dense, tp)]
     out: tuple[list, list] = ([], [])
     for step in range(steps):
-        ids, tgt = (x.to(device()) for x in bugzoo._batch(config, seed=step))
+        ids, tgt = (x.to(device()) for x in bugzoo.example_batch(config, seed=step))
         for m, opt, losses in zip((dense, tp), opts, out, strict=True):
             opt.zero_grad()
             loss = m(ids, tgt)
@@ -84,7 +84,7 @@ def _curve_text(config: object, group: object = None, label: str = "") -> str:
 
 
 def _bad_rows(config: object, group: object = None, **options: bool) -> str:
-    ids, tgt = bugzoo._batch(config)
+    ids, tgt = bugzoo.example_batch(config)
     cmp = compare_with_dense(config, group, ids, tgt, **options)
     return "compare_with_dense, rows above the tolerance only:\n" + cmp.table(only_bad=True)
 
@@ -94,9 +94,9 @@ def _see_gradients() -> str:
 
 
 def _see_loss() -> str:
-    ids, tgt = bugzoo._batch(bugzoo.GPT2)
+    ids, tgt = bugzoo.example_batch(bugzoo.GPT2)
     other = replace(bugzoo.GPT2, vocab_size=38)
-    cmp = compare_with_dense(other, None, *bugzoo._batch(other))
+    cmp = compare_with_dense(other, None, *bugzoo.example_batch(other))
     first = compare_with_dense(bugzoo.GPT2, None, ids, tgt)
     return (
         _curve_text(bugzoo.GPT2, label=" (vocabulary 37)")
@@ -106,7 +106,7 @@ def _see_loss() -> str:
 
 
 def _see_tokens() -> str:
-    ids, tgt = bugzoo._batch(bugzoo.GPT2)
+    ids, tgt = bugzoo.example_batch(bugzoo.GPT2)
     train = compare_with_dense(bugzoo.GPT2, None, ids, tgt)
     g = torch.Generator().manual_seed(5)  # the logits of bugzoo.check_argmax
     v, t, r = 37, dist.get_world_size(), dist.get_rank()
@@ -134,7 +134,7 @@ def _per_rank(x: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
 def _see_gqa() -> str:
     world, rank = dist.get_world_size(), dist.get_rank()
     pairs = [dist.new_group([i, i + 1]) for i in range(0, world, 2)]
-    small = compare_with_dense(bugzoo.LLAMA, pairs[rank // 2], *bugzoo._batch(bugzoo.LLAMA))
+    small = compare_with_dense(bugzoo.LLAMA, pairs[rank // 2], *bugzoo.example_batch(bugzoo.LLAMA))
     return (
         f"GQA model, {bugzoo.LLAMA.n_heads} query heads, {bugzoo.LLAMA.n_kv_heads} KV heads\n"
         + _curve_text(bugzoo.LLAMA)
@@ -149,7 +149,9 @@ def _see_mesh() -> str:
     tp = TPGPT(dense, wide.tp_group)
     count = [sum(p.numel() for p in m.parameters()) for m in (dense, tp)]
     m = mesh.Mesh(mesh.Layout(tp=2, pp=1, dp=2))
-    cmp = compare_with_dense(bugzoo.GPT2, m.tp_group, *bugzoo._batch(bugzoo.GPT2, 1 + m.dp_rank))
+    cmp = compare_with_dense(
+        bugzoo.GPT2, m.tp_group, *bugzoo.example_batch(bugzoo.GPT2, 1 + m.dp_rank)
+    )
     line = (
         f"rank {rank}: tp 4 × dp 1 keeps {count[1]} of the dense model's {count[0]} parameters;"
         f" tp 2 × dp 2 (data replica {m.dp_rank}): loss dense {cmp.loss_dense:.6f}, tp "
@@ -169,7 +171,7 @@ def _nothing() -> str:
 
 def _kv_from(fix: Callable) -> Callable:
     def local_heads(n_heads: int, n_kv_heads: int, tp: int, rank: int) -> tuple[list, list]:
-        q, _ = bugzoo._local_heads(n_heads, n_kv_heads, tp, rank)
+        q, _ = attention.local_heads(n_heads, n_kv_heads, tp, rank)
         return q, list(fix(n_heads, n_kv_heads, tp, rank))
 
     return local_heads
@@ -182,7 +184,6 @@ def _groups_from(fix: Callable) -> Callable:
     return tp_groups
 
 
-_patched = bugzoo._patched
 TP_FILES = "tpedu/tp/operators.py, tpedu/tp/layers.py, tpedu/tp/vocab_parallel.py"
 
 # A fixed order, not the zoo's, so that a case's number says nothing about its bug.
@@ -190,7 +191,7 @@ CASES: list[Case] = [
     Case(
         "kv_wrong_replica",
         "kv_heads_of_rank",
-        lambda fix: _patched(attention, "local_heads", _kv_from(fix)),
+        lambda fix: bugzoo.patched(attention, "local_heads", _kv_from(fix)),
         _see_gqa,
         "A grouped-query Llama-like model is moved from tp=2 to tp=4 (more ranks than KV heads).",
         "tpedu/tp/attention.py (how a rank picks its heads and its rows of the fused QKV weight)",
@@ -198,7 +199,7 @@ CASES: list[Case] = [
     Case(
         "pipeline_warmup_reversed",
         "one_f_one_b",
-        lambda fix: _patched(schedules, "one_f_one_b", fix),
+        lambda fix: bugzoo.patched(schedules, "one_f_one_b", fix),
         _nothing,
         "A 2-stage pipeline run with 2 micro-batches starts and never finishes its first step.",
         "tpedu/parallel/pipeline/ (the schedules and run_schedule)",
@@ -206,7 +207,7 @@ CASES: list[Case] = [
     Case(
         "padded_vocab_unmasked",
         "mask_padding",
-        lambda fix: _patched(vocab_parallel, "_mask_padding", fix),
+        lambda fix: bugzoo.patched(vocab_parallel, "_mask_padding", fix),
         _see_loss,
         "A small GPT with an odd vocabulary (37 tokens) trains at tp=2 next to tp=1.",
         TP_FILES,
@@ -214,7 +215,7 @@ CASES: list[Case] = [
     Case(
         "seed_tp_groups",
         "tp_groups",
-        lambda fix: _patched(mesh.Layout, "tp_groups", _groups_from(fix)),
+        lambda fix: bugzoo.patched(mesh.Layout, "tp_groups", _groups_from(fix)),
         _see_mesh,
         "The same 4 ranks are laid out as tp 4 × dp 1, then as tp 2 × dp 2 with two batches.",
         "tpedu/parallel/mesh.py (the layout and its process groups)",
@@ -222,7 +223,7 @@ CASES: list[Case] = [
     Case(
         "no_backward_all_reduce",
         "copy_to_tp_region",
-        lambda fix: _patched(tp_ops.CopyToTPRegion, "apply", staticmethod(fix)),
+        lambda fix: bugzoo.patched(tp_ops.CopyToTPRegion, "apply", staticmethod(fix)),
         _see_gradients,
         "A small GPT trains at tp=2 next to tp=1 on the same batches.",
         TP_FILES,
@@ -230,7 +231,7 @@ CASES: list[Case] = [
     Case(
         "argmax_one_shard",
         "vocab_parallel_argmax",
-        lambda fix: _patched(vocab_parallel, "vocab_parallel_argmax", fix),
+        lambda fix: bugzoo.patched(vocab_parallel, "vocab_parallel_argmax", fix),
         _see_tokens,
         "A tp=2 model that trains exactly like tp=1 generates different text on each rank.",
         "tpedu/tp/vocab_parallel.py, tpedu/model/generate.py",

@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from tpedu.cp.ring import _block, check_cp_length, chunk_positions
+from tpedu.cp.ring import block_scores, check_cp_length, chunk_positions
 
 
 def block_mask(s: int, cp: int, rank: int, owner: int, layout: str = "zigzag") -> torch.Tensor:
@@ -112,7 +112,7 @@ def time_rank(
         start = time.perf_counter()
         for mask in masks:
             if mask.any():
-                scores = _block(q, k, mask, scale)
+                scores = block_scores(q, k, mask, scale)
                 lse = torch.logsumexp(scores, dim=-1)
                 safe = torch.where(torch.isinf(lse), 0.0, lse)
                 torch.matmul(torch.exp(scores - safe[..., None]), v)

@@ -84,7 +84,9 @@ def merge_partials(
     return out, lse
 
 
-def _block(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scale: float):
+def block_scores(
+    q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> torch.Tensor:
     """Scores of q [b, hq, sq, d] against k [b, hq, sk, d] with `mask` [sq, sk] (True = keep)."""
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
     if mask is not None:
@@ -105,7 +107,7 @@ def _fold(g: torch.Tensor, groups: int) -> torch.Tensor:
     return g.view(b, h // groups, groups, s, d).sum(2)
 
 
-class _Ring:
+class Ring:
     """Passes tensors to the next rank of the group and takes the previous rank's, async."""
 
     def __init__(self, group: dist.ProcessGroup | None) -> None:
@@ -142,7 +144,7 @@ class RingAttention(torch.autograd.Function):
         positions: torch.Tensor,
         group: dist.ProcessGroup | None,
     ) -> torch.Tensor:
-        ring = _Ring(group)
+        ring = Ring(group)
         rank = dist.get_rank(group) if group is not None else dist.get_rank()
         groups, scale = q.shape[1] // k.shape[1], 1.0 / math.sqrt(q.shape[-1])
         # meta tensors (the dry run) have no values: which blocks to skip is decided on the CPU
@@ -155,7 +157,7 @@ class RingAttention(torch.autograd.Function):
             works, nxt = ring.start(kv) if i < ring.cp - 1 else ([], None)
             mask = pos[rank][:, None] >= pos[owner][None, :]
             if mask.any():  # a block entirely in the queries' future adds nothing
-                scores = _block(q, _expand(kv[0], groups), mask, scale)
+                scores = block_scores(q, _expand(kv[0], groups), mask, scale)
                 lse_b = torch.logsumexp(scores, dim=-1)
                 safe = torch.where(torch.isinf(lse_b), 0.0, lse_b)  # rows with no key here
                 out_b = torch.matmul(torch.exp(scores - safe[..., None]), _expand(kv[1], groups))
@@ -170,7 +172,7 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, out, lse, pos = ctx.saved_tensors
-        ring = _Ring(ctx.group)
+        ring = Ring(ctx.group)
         rank = dist.get_rank(ctx.group) if ctx.group is not None else dist.get_rank()
         groups, scale = q.shape[1] // k.shape[1], 1.0 / math.sqrt(q.shape[-1])
         delta = (grad_out * out).sum(-1, keepdim=True)  # D = rowsum(dO ∘ O)
@@ -183,7 +185,9 @@ class RingAttention(torch.autograd.Function):
             mask = pos[rank][:, None] >= pos[owner][None, :]
             if mask.any():
                 kx, vx = _expand(kv[0], groups), _expand(kv[1], groups)
-                p = torch.exp(_block(q, kx, mask, scale) - lse[..., None])  # the softmax block
+                p = torch.exp(
+                    block_scores(q, kx, mask, scale) - lse[..., None]
+                )  # the softmax block
                 dv = torch.matmul(p.transpose(-1, -2), grad_out)
                 ds = p * (torch.matmul(grad_out, vx.transpose(-1, -2)) - delta)
                 dq = dq + torch.matmul(ds, kx) * scale

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from tpedu.comm import collectives
 from tpedu.comm.cost_model import AlphaBeta
 from tpedu.comm.device import device
-from tpedu.cp.ring import _Ring
+from tpedu.cp.ring import Ring
 
 
 def ring_messages(
@@ -93,7 +93,7 @@ def time_ring_exchange(
 ) -> float:
     """Seconds of one layer's forward K/V exchange alone (cp − 1 ring steps of k and v, as
     RingAttention runs them, no attention). Collective; the slowest rank's median, on all."""
-    ring = _Ring(group)
+    ring = Ring(group)
 
     def once() -> None:
         kv = [k, v]

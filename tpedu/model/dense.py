@@ -84,11 +84,11 @@ class DenseGPT(nn.Module):
             if config.tie_embeddings
             else nn.Linear(config.hidden, config.vocab_size, bias=False)
         )
-        self.apply(_init_weights)
+        self.apply(init_weights)
 
     def hidden_states(self, ids: torch.Tensor, step: int = 0) -> torch.Tensor:
         """Embeddings -> blocks -> final norm: ids [b, s] -> [b, s, H]."""
-        x = _embed(self, ids, step)
+        x = embed(self, ids, step)
         for block in self.blocks:
             x = block(x, step)
         return self.norm_f(x)
@@ -105,7 +105,7 @@ class DenseGPT(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
 
 
-def _embed(
+def embed(
     model: nn.Module, ids: torch.Tensor, step: int, positions: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Token embeddings (+ learned positions, `positions` [s] or 0 .. s-1) -> dropout:
@@ -118,11 +118,11 @@ def _embed(
     return index_dropout(x, model.config.dropout, seed, training=model.training)
 
 
-# The modules _init_weights re-initialises completely; every other module keeps its constructor's.
+# The modules init_weights re-initialises completely; every other module keeps its constructor's.
 INIT_TYPES = (nn.Linear, nn.Embedding)
 
 
-def _init_weights(module: nn.Module) -> None:
+def init_weights(module: nn.Module) -> None:
     """GPT-2's initialisation: normal(0, 0.02) weights, zero biases."""
     if isinstance(module, INIT_TYPES):
         nn.init.normal_(module.weight, std=0.02)

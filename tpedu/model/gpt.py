@@ -46,7 +46,7 @@ from tpedu.model.dense import (
     EMBEDDING_DROPOUT_SITE,
     DenseBlock,
     DenseGPT,
-    _embed,
+    embed,
 )
 from tpedu.model.state import merge_shards, shard_map
 from tpedu.tp.attention import ParallelAttention
@@ -70,7 +70,7 @@ from tpedu.tp.vocab_parallel import IGNORE, gather_logits, vocab_parallel_cross_
 
 
 def _embed_sequence_parallel(model: TPGPT, ids: torch.Tensor, step: int) -> torch.Tensor:
-    """_embed on this rank's positions: ids [b, s] -> [b, s/t, H], the dense result's slice.
+    """embed on this rank's positions: ids [b, s] -> [b, s/t, H], the dense result's slice.
 
     Vocab-parallel: the partial lookups are reduce-scattered along the sequence (1
     reduce-scatter; Megatron-LM does the same) rather than all-reduced and then cut.
@@ -315,7 +315,7 @@ class TPGPT(nn.Module):
                 )
                 if cache is not None:
                     mine = cache.positions(inputs.shape[1])  # [b, s]
-                x = _embed(self, inputs, step, mine)
+                x = embed(self, inputs, step, mine)
         else:
             x = inputs
         for i, block in enumerate(self.blocks):

@@ -8,7 +8,7 @@ same shards, bit for bit, holding at most one dense *module* at a time:
    Meta tensors have shapes and no storage, and creating them draws no random numbers.
 2. Replay DenseGPT's initialisation on the CPU generator, one module at a time, in the dense
    model's order: first what each leaf module's constructor drew (its `reset_parameters`:
-   Linear kaiming-uniform, Embedding normal, norms nothing), then `_init_weights` (GPT-2's
+   Linear kaiming-uniform, Embedding normal, norms nothing), then `init_weights` (GPT-2's
    normal(0, 0.02) for every Linear and Embedding, in `nn.Module.apply`'s order, which for the
    leaves is the same order). Each draw runs on a CPU scratch copy of that one module, so the
    generator advances exactly as it does for the dense model and the values come out the same.
@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tpedu.model.config import GPTConfig
-from tpedu.model.dense import INIT_TYPES, DenseGPT, _init_weights
+from tpedu.model.dense import INIT_TYPES, DenseGPT, init_weights
 from tpedu.model.gpt import TPGPT
 from tpedu.model.state import param_kind, shard_map, split_tensor
 from tpedu.tp.sequence_parallel import mark_sequence_parallel
@@ -77,10 +77,10 @@ def build_sharded(
         scratch.reset_parameters()
         if not isinstance(scratch, INIT_TYPES):  # kept as constructed (norms): small
             constructed[name] = scratch
-    for name, module in leaves:  # 2. _init_weights' draws; 3. this rank's shards
+    for name, module in leaves:  # 2. init_weights' draws; 3. this rank's shards
         scratch = constructed.pop(name, None) or _cpu_copy(module)
         with torch.no_grad():
-            _init_weights(scratch)
+            init_weights(scratch)
             for pname, value in scratch.named_parameters(recurse=False):
                 key = f"{name}.{pname}"
                 for p in targets.get(key, []):

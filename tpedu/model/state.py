@@ -38,7 +38,7 @@ from tpedu.model.config import GPTConfig
 from tpedu.model.dense import DenseGPT
 from tpedu.tp.attention import local_heads, qkv_rows, split_qkv
 from tpedu.tp.embedding import vocab_range
-from tpedu.tp.sharding import check_divisible, rank_chunk
+from tpedu.tp.sharding import rank_chunk
 
 
 def merge_column(shards: list[torch.Tensor]) -> torch.Tensor:
@@ -62,40 +62,6 @@ def merge_qkv(shards: list[torch.Tensor], n_heads: int, n_kv_heads: int) -> torc
     for rank, shard in enumerate(shards):
         dense[qkv_rows(n_heads, n_kv_heads, head_dim, tp, rank).to(shard.device)] = shard
     return dense
-
-
-def split(
-    dense: torch.Tensor,
-    kind: str,
-    tp: int,
-    n_heads: int | None = None,
-    n_kv_heads: int | None = None,
-) -> list[torch.Tensor]:
-    """Every rank's shard of `dense` at `tp` ("column", "row" or "qkv"), the model's own rules."""
-    if kind == "qkv":
-        return [split_qkv(dense, n_heads, n_kv_heads, tp, r) for r in range(tp)]
-    dim = {"column": 0, "row": 1}[kind]
-    check_divisible(dense.shape[dim], tp, f"dim {dim} of a {kind}-parallel weight")
-    return [c.clone() for c in dense.chunk(tp, dim=dim)]
-
-
-def reshard(
-    shards: list[torch.Tensor],
-    kind: str,
-    new_tp: int,
-    n_heads: int | None = None,
-    n_kv_heads: int | None = None,
-) -> list[torch.Tensor]:
-    """Shards at tp = len(shards) -> shards at `new_tp`: merge to dense, then split again."""
-    if kind == "column":
-        dense = merge_column(shards)
-    elif kind == "row":
-        dense = merge_row(shards)
-    elif kind == "qkv":
-        dense = merge_qkv(shards, n_heads, n_kv_heads)
-    else:
-        raise ValueError(f"kind must be 'column', 'row' or 'qkv', got {kind!r}")
-    return split(dense, kind, new_tp, n_heads, n_kv_heads)
 
 
 KINDS = ("replicated", "sequence", "column", "row", "qkv", "vocab")

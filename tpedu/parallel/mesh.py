@@ -186,14 +186,6 @@ class Mesh:
     emb_group = property(lambda self: self.groups["emb"])
     cp_group = property(lambda self: self.groups["cp"])
 
-    @property
-    def first_stage(self) -> bool:
-        return self.pp_rank == 0
-
-    @property
-    def last_stage(self) -> bool:
-        return self.pp_rank == self.layout.pp - 1
-
     def __repr__(self) -> str:
         lay = self.layout
         return (

@@ -199,7 +199,7 @@ class FlatBuffer:
                 self._widen()
 
 
-class _GatherForBackward(torch.autograd.Function):
+class GatherForBackward(torch.autograd.Function):
     """Identity on a block's output; its backward re-gathers the block's parameters first
     (autograd runs it just before the block's own backward)."""
 
@@ -376,7 +376,7 @@ class ShardedDataParallel(GradientSync):
                     self._gather(unit)
                     self._gather(unit.prev, async_op=True)  # prefetch the block before
 
-                return _GatherForBackward.apply(out, regather)
+                return GatherForBackward.apply(out, regather)
 
             unit.module.register_forward_pre_hook(before)
             unit.module.register_forward_hook(after)

@@ -1,4 +1,4 @@
-"""Lessons 07–16: training the novel GPT: the data, the training loop, precision, generation.
+"""Lessons 07–16: training the novel GPT: the step, the training loop, precision, generation.
 
     config     TrainConfig, the run's settings, and the learning-rate schedule (lesson 07)
     step       one rank's training step for every layout, TP alone to 4D (lessons 07–13)
@@ -8,7 +8,6 @@
     preempt    on SIGTERM every rank stops after the same step and saves it (lesson 14)
     precision  mixed precision: bf16 or fp16, fp32 master weights, loss scaling (lessons 07–16)
     generate   continue a prompt with a trained model and the vocab-parallel sampler (lesson 07)
-    data       the novel and its batches: corpus, tokenizer, batches (lesson 07)
 
 `train` runs on every rank (launched by tpedu.launch, the CLI or torchrun); given `out`, it writes
 the model directory that `python -m tpedu generate` reads.

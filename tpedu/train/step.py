@@ -25,6 +25,7 @@ import torch
 
 from tpedu.comm import collectives
 from tpedu.comm.device import device
+from tpedu.data.batches import packed_batch
 from tpedu.model.config import GPTConfig
 from tpedu.model.gpt import TPGPT
 from tpedu.model.sharded_init import build_sharded
@@ -43,7 +44,6 @@ from tpedu.parallel.pipeline.schedules import stage_layers
 from tpedu.parallel.zero import ShardedDataParallel
 from tpedu.tp.sharding import divisors
 from tpedu.train.config import TrainConfig, lr_at
-from tpedu.train.data.batches import packed_batch
 from tpedu.train.optim import make_data_parallel
 from tpedu.train.precision import LossScaler, autocast, make_scaler
 

@@ -22,7 +22,7 @@ from torch import nn
 
 from tpedu.comm import collectives
 from tpedu.model.gpt import TPGPT
-from tpedu.parallel.pipeline.schedules import Action, Event, _parts, stage_layers
+from tpedu.parallel.pipeline.schedules import Action, Event, action_parts, stage_layers
 
 
 @dataclass
@@ -104,7 +104,7 @@ def run_schedule(
     """
     p, s = pipe.stages, pipe.stage
     last_vs = p * len(chunks) - 1
-    n_micro = 1 + max(_parts(a)[1] for a in actions)
+    n_micro = 1 + max(action_parts(a)[1] for a in actions)
     device = next(chunks[0].parameters()).device
     prev_rank, next_rank = pipe.ranks[(s - 1) % p], pipe.ranks[(s + 1) % p]
     sends: list[tuple[dist.Work, torch.Tensor]] = []
@@ -141,7 +141,7 @@ def run_schedule(
         return buf
 
     for action in actions:
-        kind, mb, c = _parts(action)
+        kind, mb, c = action_parts(action)
         vs = c * p + s
         if kind == "F":
             if vs == 0:

@@ -185,7 +185,7 @@ def schedule(kind: str, n_micro: int, n_stages: int, stage: int, chunks: int = 1
     raise ValueError(f"unknown schedule {kind!r}; choose 'gpipe', '1f1b' or 'interleaved'")
 
 
-def _parts(action: Action) -> tuple[str, int, int]:
+def action_parts(action: Action) -> tuple[str, int, int]:
     kind, mb, *rest = action
     return kind, mb, (rest[0] if rest else 0)
 
@@ -209,7 +209,7 @@ def simulate(
     communication); returns the compute events. Raises if the schedules deadlock or are
     incomplete (a forward or backward missing, or a backward before its forward)."""
     p = len(schedules)
-    v = 1 + max((_parts(a)[2] for s in schedules for a in s), default=0)
+    v = 1 + max((action_parts(a)[2] for s in schedules for a in s), default=0)
     last = p * v - 1
     done: dict[tuple[str, int, int], float] = {}  # (kind, mb, virtual stage) -> finish time
     pos, free = [0] * p, [0.0] * p
@@ -218,7 +218,7 @@ def simulate(
         progressed = False
         for s in range(p):
             while pos[s] < len(schedules[s]):
-                kind, mb, c = _parts(schedules[s][pos[s]])
+                kind, mb, c = action_parts(schedules[s][pos[s]])
                 vs = c * p + s
                 if kind == "F":
                     deps = [("F", mb, vs - 1)] if vs > 0 else []

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from tpedu.train.data import tokenizer
+from tpedu.data import tokenizer
 
 CORPUS_FILE = "340-脂砚斋重批红楼梦.txt"
 _COMMENTARY = re.compile(r"【[^】]*】")
