@@ -74,7 +74,7 @@ def test_patches_are_undone_and_names_checked():
             gpt.chunk_positions,
             zero.FlatBuffer.finish_grads,
             zero.ShardedDataParallel.step,
-            zero._GatherForBackward.__dict__["backward"],
+            zero.GatherForBackward.__dict__["backward"],
         ]
 
     originals = current()

@@ -169,9 +169,12 @@ def _nothing() -> str:
 # ------------------------------------------------------------------------------ the cases
 
 
+_local_heads = attention.local_heads  # the original: the case patches attention.local_heads
+
+
 def _kv_from(fix: Callable) -> Callable:
     def local_heads(n_heads: int, n_kv_heads: int, tp: int, rank: int) -> tuple[list, list]:
-        q, _ = attention.local_heads(n_heads, n_kv_heads, tp, rank)
+        q, _ = _local_heads(n_heads, n_kv_heads, tp, rank)
         return q, list(fix(n_heads, n_kv_heads, tp, rank))
 
     return local_heads
