@@ -1,0 +1,340 @@
+"""Lesson 13: the what-if's message volumes for a rank, and every named difference from what the
+rank sent, group by group (tp, cp, pp, dp, emb, world).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from tpedu.analysis import whatif
+from tpedu.analysis.dryrun.figures import (
+    STOP_CHECK,
+    VALUE_BYTES,
+    Comparison,
+    RankFigures,
+    Term,
+    count_noun,
+)
+from tpedu.analysis.dryrun.predict_memory import (
+    local_config,
+    model_shape,
+    padding_term,
+    table_rows,
+    value_bytes,
+)
+from tpedu.cp.traffic import ring_messages, ulysses_messages
+from tpedu.model.config import GPTConfig
+from tpedu.parallel.config import ParallelConfig
+
+
+def _sp_params(config: GPTConfig, fig: RankFigures) -> int:
+    """Elements of the parameters sequence parallelism marks (their gradients are all-reduced
+    over the TP group after backward): both norms and the row-parallel biases of each block,
+    plus the positions (first stage) and the final norm (last stage)."""
+    h = config.hidden
+    norm = 2 * h if (config.bias and config.norm == "layernorm") else h
+    block = 2 * norm + (2 * h if config.bias else 0)
+    total = fig.blocks * block
+    if fig.first and config.position == "learned":
+        total += config.seq_len * h
+    if fig.last:
+        total += norm
+    return total
+
+
+def traffic_comparisons(
+    fig: RankFigures, config: GPTConfig, parallel: ParallelConfig, batch: int
+) -> list[Comparison]:
+    c, tp, pp, dp, v = config, parallel.tp, parallel.pp, parallel.dp, parallel.chunks
+    sp, e, m = parallel.sequence_parallel, VALUE_BYTES, fig.micro_batches
+    shape, why = model_shape(config, fig.micro_batch)
+    cp = parallel.cp
+    groups = ["tp", "pp", "dp", "emb"] + (["cp"] if cp > 1 else []) + ["world"]
+    measured = {g: fig.sent(g) for g in groups}
+    if shape is None or c.n_layers % (pp * v):
+        note = why or f"the what-if needs L divisible by pp·chunks ({c.n_layers}, {pp}·{v})"
+        return [
+            Comparison(f"{g} traffic", measured[g], None, "what-if", note=note)
+            for g in groups
+            if measured[g]
+        ]
+    par = whatif.Parallel(
+        tp=tp,
+        pp=pp,
+        dp=dp,
+        batch=batch,
+        micro=fig.micro_batch,
+        chunks=v,
+        recompute=parallel.recompute == "full",
+    )
+    c = local_config(config, parallel)  # with CP every message holds this rank's s/cp positions
+    vol = whatif.volumes(dataclasses.replace(shape, seq_len=c.seq_len), par, e)
+    msg = vol.message_bytes  # one [b, s, h] message at 4 bytes per value
+    out = []
+
+    # TP: the blocks' all-reduces (or SP's all-gather / reduce-scatter pairs: the same bytes)
+    terms = []
+    per_stage = c.n_layers // pp
+    if fig.blocks != per_stage:  # --stage-split flops
+        terms.append(
+            Term(
+                f"{count_noun(fig.blocks, 'block')} here, the what-if's L/pp = {per_stage}",
+                vol.tp_all_reduces * msg * (fig.blocks / per_stage - 1),
+            )
+        )
+    blocks_msgs = m * fig.blocks * msg  # one [b, s, h] message per block and micro-batch
+    passes = 6 if parallel.recompute == "full" else 4
+    if sp:
+        terms.append(
+            Term(
+                "sequence parallelism: each all-reduce is a reduce-scatter plus an all-gather "
+                "(2 calls of [b, s, h], the same bytes on the wire)",
+                passes * blocks_msgs,
+            )
+        )
+        terms.append(
+            Term(
+                "sequence parallelism: QKV and fc1 keep only their input's shard and "
+                "all-gather it again in backward (2 per block)",
+                2 * blocks_msgs,
+            )
+        )
+    if parallel.recompute == "full":
+        op = "reduce-scatter" if sp else "all-reduce"
+        terms.append(
+            Term(
+                f"full recompute: PyTorch's checkpoint stops at the last tensor backward needs, "
+                f"so the MLP's output {op} is not rerun (1 per block)",
+                -blocks_msgs,
+            )
+        )
+    if fig.dtype != "fp32":  # the row-parallel matmuls' outputs, and their gradients, in bf16
+        full = parallel.recompute == "full"
+        if sp:
+            what = (
+                "bf16 autocast: the blocks' reduce-scatters of the row-parallel outputs (2 per "
+                "block" + (", 1 more recomputed" if full else "") + "), the all-gathers of "
+                "their gradients (2) and the reduce-scatters of QKV's and fc1's input "
+                "gradients (2) in 2 bytes, the what-if's 4"
+            )
+            halved = (6 + full) * blocks_msgs / 2
+            if fig.last and c.vocab_parallel:
+                what += "; and the LM head's input gradient's (1 per micro-batch)"
+                halved += m * msg / 2
+        else:
+            what = (
+                "bf16 autocast: the blocks' all-reduces of the row-parallel outputs (2 per "
+                "block" + (", 1 more recomputed" if full else "") + ") in 2 bytes, the "
+                "what-if's 4; the backward ones carry fp32 gradients"
+            )
+            halved = (2 + full) * blocks_msgs / 2
+        terms.append(Term(what, -halved))
+    vp = c.vocab_parallel
+    if fig.first:
+        calls = (2 if sp else 1) if vp else (1 if sp else 0)
+        if calls:
+            how = "vocab-parallel" if vp else "replicated"
+            terms.append(Term(f"{how} embedding: {calls} per micro-batch", calls * m * msg))
+    if fig.last:
+        calls = (3 if sp else 1) if vp else (1 if sp else 0)
+        if calls:
+            terms.append(Term(f"LM head's input: {calls} per micro-batch", calls * m * msg))
+        if vp:
+            terms.append(
+                Term(
+                    "vocab-parallel loss: 3 all-reduces of [b, s] per micro-batch",
+                    3 * m * fig.micro_batch * c.seq_len * 4,
+                )
+            )
+    if tp > c.kv_heads:
+        d = c.hidden // c.n_heads
+        per = c.kv_heads * 2 * d * (c.hidden + (1 if c.bias else 0)) * e
+        terms.append(
+            Term("replicated KV heads' gradients: 1 all-reduce per block", fig.blocks * per)
+        )
+    if sp:
+        terms.append(
+            Term(
+                "sequence-parallel parameters' gradients: 1 all-reduce per chunk",
+                _sp_params(c, fig) * e,
+            )
+        )
+    terms.append(Term("gradient norm: 1 float64 all-reduce", 8))
+    tp_traffic = Comparison(
+        "tp traffic", measured["tp"], vol.tp_all_reduces * msg, "what-if", tuple(terms)
+    )
+    out.append(tp_traffic)
+    if cp > 1:
+        out.append(_cp_comparison(fig, config, parallel, measured["cp"]))
+
+    # PP: activations forward, their gradients back; the what-if prices 2 sends per
+    # micro-batch and chunk of a [b, s, h] message
+    sends = sum(m for cc in range(v) if cc * pp + fig.coords[1] != pp * v - 1)  # forward
+    sends += sum(m for cc in range(v) if cc * pp + fig.coords[1] != 0)  # backward
+    pp_terms = []
+    if pp > 1:
+        if sends != vol.pp_sends:
+            pp_terms.append(
+                Term(
+                    f"{count_noun(sends, 'send')} here, the what-if's {vol.pp_sends}: "
+                    + (
+                        "the first stage sends no gradient back"
+                        if fig.coords[1] == 0
+                        else "the last stage sends no activation on"
+                    ),
+                    (sends - vol.pp_sends) * msg,
+                )
+            )
+        if sp:
+            pp_terms.append(
+                Term(
+                    f"sequence parallelism: messages are [b, s/{tp}, h]", sends * msg * (1 / tp - 1)
+                )
+            )
+        pp_terms.append(
+            Term(
+                "the receives of as many messages (the what-if prices the sends)",
+                sends * msg / (tp if sp else 1),
+            )
+        )
+    pp_terms.append(Term("gradient norm: 1 float64 all-reduce", 8))
+    out.append(
+        Comparison("pp traffic", measured["pp"], vol.pp_sends * msg, "what-if", tuple(pp_terms))
+    )
+
+    # DP: one all-reduce of this rank's gradients (buckets), or ZeRO's reduce-scatters and
+    # all-gathers (which run over a DP group of 1 too, as train runs them)
+    dp_terms = []
+    predicted = vol.dp_bytes if dp > 1 else 0.0
+    if dp > 1 or parallel.zero:
+        dp_terms.append(
+            Term(
+                f"this rank's {fig.params:,} parameters, not the what-if's "
+                + (
+                    f"N/(tp·pp) = {shape.matmul_params / (tp * pp):,.0f} (matmul weights, "
+                    "averaged over stages)"
+                    if dp > 1
+                    else "0 (no replicas)"
+                ),
+                fig.params * e - predicted,
+            )
+        )
+    if parallel.zero:
+        dp_terms += _sharded_traffic_terms(fig, parallel)
+    out.append(Comparison("dp traffic", measured["dp"], predicted, "what-if", tuple(dp_terms)))
+
+    emb_terms = []
+    if pp > 1 and c.tie_embeddings and (fig.first or fig.last):
+        emb_terms.append(
+            Term(
+                "tied embedding: the two copies' gradients summed",
+                table_rows(c, tp) * c.hidden * e,
+            )
+        )
+    out.append(Comparison("emb traffic", measured["emb"], 0.0, "what-if", tuple(emb_terms)))
+    out.append(
+        Comparison(
+            "world traffic",
+            measured["world"],
+            0.0,
+            "what-if",
+            (Term("the loop's loss average over replicas (1 float64)", 8), STOP_CHECK),
+        )
+    )
+    return out
+
+
+def _sharded_traffic_terms(fig: RankFigures, parallel: ParallelConfig) -> list[Term]:
+    """ZeRO's DP calls beyond one all-reduce of this rank's parameters (which the
+    reduce-scatter of the gradients replaces, the same bytes in): the padding, the parameters'
+    all-gathers, the gradient norm's share over DP."""
+    dp, m, e = parallel.dp, fig.micro_batches, VALUE_BYTES
+    terms = []
+    pad = padding_term(fig, dp)
+    if pad:
+        terms.append(Term(pad.name + " (in the reduce-scatter)", pad.value * e))
+    padded = sum(dp * n for _, n, *_ in fig.flat_buffers)
+    if parallel.zero < 3:
+        terms.append(
+            Term(
+                f"ZeRO-{parallel.zero}: every buffer all-gathered from the new shards after the "
+                "step",
+                padded * e,
+            )
+        )
+    else:
+        blocks = sum(dp * n for _, n, _, block in fig.flat_buffers if block >= 0)
+        terms += [
+            Term(
+                f"ZeRO-3: every block's buffers all-gathered before its forward "
+                f"({m} per block: one per micro-batch)",
+                m * blocks * e,
+            ),
+            Term(
+                f"ZeRO-3: ... and again before each backward ({m} per block, what plain DP "
+                "does not send: (N-1)/N·Ψ_blocks per micro-batch on the wire)",
+                m * blocks * e,
+            ),
+            Term(
+                "ZeRO-3: the chunks' rest (embedding, final norm, head) all-gathered once, at "
+                "the first forward, and kept until the step",
+                (padded - blocks) * e,
+            ),
+        ]
+    terms.append(Term("gradient norm: 1 float64 all-reduce (each rank holds 1/N of it)", 8))
+    return terms
+
+
+def _cp_comparison(
+    fig: RankFigures, config: GPTConfig, parallel: ParallelConfig, measured: int
+) -> Comparison:
+    """CP traffic against tpedu.cp.traffic's formulas for every block forward and backward of
+    the step (ring: the K/V blocks' sends; Ulysses: its all-to-alls), plus what else the CP
+    group carries: the loss's mean over the whole sequence and the gradients' sum. Under bf16
+    autocast the K/V blocks (Ulysses: q, k, v and the output) are the QKV matmul's bf16."""
+    c, t, cp, m = config, parallel.tp, parallel.cp, fig.micro_batches
+    e = value_bytes(fig.dtype)  # the attention core's values
+    d = c.hidden // c.n_heads
+    nkv = c.kv_heads // t if t <= c.kv_heads else 1
+    layers = m * fig.blocks  # block forwards (and backwards) in the step
+    full = parallel.recompute == "full"
+    terms = []
+    if parallel.cp_strategy == "ring":
+        msgs = ring_messages(fig.micro_batch, nkv, c.seq_len, cp, d, e, layers, full)
+        predicted = msgs["forward"][1] + msgs["backward"][1]
+        sends = msgs["forward"][0] + msgs["backward"][0]
+        terms.append(
+            Term(
+                f"the receives of the ring's {count_noun(sends, 'send')} of [b, kv_heads/tp, s/cp, d] "
+                f"({2 * (cp - 1)} per block forward, {4 * cp - 2} backward"
+                + (f", {2 * (cp - 1)} more recomputing" if full else "")
+                + "; tpedu.cp.traffic counts the sends)",
+                predicted,
+            )
+        )
+    else:
+        msgs = ulysses_messages(fig.micro_batch, c.n_heads // t, nkv, c.seq_len, cp, d, e, layers)
+        predicted = msgs["forward"][1] + msgs["backward"][1]
+        if full:
+            terms.append(
+                Term(
+                    "full recompute: the forward's all-to-alls run again in backward",
+                    msgs["forward"][1],
+                )
+            )
+    if fig.last:
+        terms.append(
+            Term(
+                "the loss's mean over the whole sequence: the token count (int64) and the loss "
+                "(fp32), 1 all-reduce each per micro-batch",
+                12 * m,
+            )
+        )
+    terms.append(
+        Term(
+            f"every gradient summed over CP: this rank's {fig.params:,} parameters "
+            f"(1 all-reduce per tensor)",
+            fig.params * VALUE_BYTES,
+        )
+    )
+    return Comparison("cp traffic", measured, predicted, "what-if", tuple(terms))
