@@ -20,7 +20,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 from tpedu import checkpoint, launch
-from tpedu.checkpoint import sharded
+from tpedu.checkpoint import writer
 from tpedu.checkpoint.files import CheckpointError
 from tpedu.launcher import RankError
 from tpedu.model.config import GPTConfig
@@ -227,7 +227,7 @@ def _save_twice_crash_second(root, crash):
     model = TPGPT(DenseGPT(CONFIG))
     checkpoint.save(root, model, None, 1)
     if dist.get_rank() == 1:
-        real = sharded.write_synced
+        real = writer.write_synced
 
         def half(path, data):
             real(path, data[: len(data) // 2])  # a partial file on disk ...
@@ -235,7 +235,7 @@ def _save_twice_crash_second(root, crash):
                 os._exit(3)  # ... and the process dies (kill -9, OOM, node loss)
             raise OSError(28, "No space left on device")
 
-        sharded.write_synced = half  # the shard writer's own reference
+        writer.write_synced = half  # the shard writer's own reference
     with torch.no_grad():
         model.blocks[0].attn.qkv_weight.add_(1.0)
     checkpoint.save(root, model, None, 2)

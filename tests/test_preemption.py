@@ -20,9 +20,9 @@ import pytest
 import torch.distributed as dist
 
 from tests.processes import descendants, signal_sleeping_ranks
-from tpedu import launch
-from tpedu.checkpoint import sharded
+from tpedu import checkpoint, launch
 from tpedu.cli.commands import _preempted, _resume_command, main
+from tpedu.train import checkpoints
 from tpedu.train.config import TrainConfig
 from tpedu.train.loop import run_loop
 from tpedu.train.preempt import EXIT_CODE, Preempted, agree_to_stop, sigterm_flag
@@ -97,11 +97,11 @@ def test_sigterm_saves_the_step_every_rank_finished_and_resuming_is_exact(layout
 
     # The one checkpoint: step `step`, complete (a shard file from every rank, sizes and
     # checksums as the index says), and `latest` points at it.
-    step_dir = ckpt / sharded.step_name(step)
+    step_dir = ckpt / checkpoint.step_name(step)
     assert Path(m.group(2)) == step_dir
-    assert sorted(p.name for p in ckpt.iterdir()) == [sharded.LATEST, step_dir.name]
-    assert (ckpt / sharded.LATEST).read_text().strip() == step_dir.name
-    resolved, index = sharded.check_files(ckpt, verify=True)
+    assert sorted(p.name for p in ckpt.iterdir()) == [checkpoint.LATEST, step_dir.name]
+    assert (ckpt / checkpoint.LATEST).read_text().strip() == step_dir.name
+    resolved, index = checkpoint.check_files(ckpt, verify=True)
     assert resolved == step_dir and index["step"] == step
     assert len(index["files"]) == 2  # tp 2: one per TP rank; pp 2: one per stage
 
@@ -129,7 +129,7 @@ def _signal_one_rank(signalled: int, at: int, ckpt_dir: str | None) -> dict:
         return float(k), 1.0
 
     def save(k: int) -> object:
-        path = sharded.save_if_due(cfg, k, None, None)
+        path = checkpoints.save_if_due(cfg, k, None, None)
         saves.append((k, None if path is None else str(path)))
         return path
 
@@ -160,8 +160,8 @@ def test_every_rank_stops_after_the_step_in_which_any_rank_got_sigterm(
     signalled, at, calls, written, tmp_path, monkeypatch
 ):
     """4 ranks, one of them signalled during step `at`: every rank stops after that step and
-    saves checkpoint `at` + 1 (sharded.save is a stand-in here: no model)."""
-    monkeypatch.setattr(sharded, "save", lambda root, m, o, k, **kw: Path(root) / f"s{k}")
+    saves checkpoint `at` + 1 (checkpoint.save is a stand-in here: no model)."""
+    monkeypatch.setattr(checkpoints, "save", lambda root, m, o, k, **kw: Path(root) / f"s{k}")
     stop = at + 1
     for r in launch(_signal_one_rank, 4, signalled, at, str(tmp_path)):
         assert r["handler_restored"]

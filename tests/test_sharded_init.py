@@ -139,10 +139,10 @@ def _save_tp2(root: str) -> None:
 
 def _load_reading(root: str) -> tuple[set, list[str]]:
     """(the (file, tensor) pairs this rank read, the parameters that differ from a full load)."""
-    import tpedu.checkpoint.sharded as sharded
+    import tpedu.checkpoint.reader as reader
     from tpedu import checkpoint
 
-    reads, real = set(), sharded.safe_open
+    reads, real = set(), reader.safe_open
 
     class Recording:
         def __init__(self, path, framework):
@@ -165,12 +165,12 @@ def _load_reading(root: str) -> tuple[set, list[str]]:
     config = CONFIGS["llama-gqa"]
     want = TPGPT(DenseGPT(config))
     checkpoint.load(root, want, torch.optim.AdamW(want.parameters()))
-    sharded.safe_open = Recording
+    reader.safe_open = Recording
     try:
         got = TPGPT(DenseGPT(config))
         checkpoint.load(root, got, torch.optim.AdamW(got.parameters()))
     finally:
-        sharded.safe_open = real
+        reader.safe_open = real
     differ = [
         n
         for (n, a), (_, b) in zip(want.named_parameters(), got.named_parameters(), strict=True)

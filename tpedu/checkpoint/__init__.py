@@ -1,7 +1,9 @@
 """Lesson 14: sharded, reshardable checkpoints and model directories.
 
     files     atomic, fsynced writes and whole-directory replacement; CheckpointError
-    sharded   sharded checkpoints: every rank saves what it owns; index, validation, resume
+    index     the sharded checkpoint's format: directory, index, validation, `latest`
+    writer    saving: every rank writes what it owns, atomically
+    reader    loading at any layout, validated before any rank copies a tensor
     convert   model directories (`train --out`, used from lesson 07), resharding, dense, HF export
     hf        Hugging Face GPT-2 and Llama import into the tensor-parallel GPT (whole or by this
               rank's slices), and export back
@@ -11,7 +13,8 @@
     hf_llama  Llama (LlamaForCausalLM) in that table: q_proj, k_proj, v_proj stacked into QKV
 
 The split and merge rules the checkpoints use live in tpedu.model.state (re-exported here with the
-public names of files, sharded and convert).
+public names of files, index, writer, reader and convert). The training loop's hooks (save
+when due, resume) are tpedu.train.checkpoints.
 """
 
 from tpedu.checkpoint.convert import (
@@ -27,25 +30,23 @@ from tpedu.checkpoint.convert import (
 )
 from tpedu.checkpoint.files import CheckpointError, replace_dir
 from tpedu.checkpoint.hf import export_hf
-from tpedu.checkpoint.sharded import (
+from tpedu.checkpoint.index import (
     FORMAT,
     INDEX,
     LATEST,
     check_config,
     check_file,
     check_files,
-    load,
     read_config,
     read_index,
     read_parallel,
     resolve,
-    resume_from,
-    save,
-    save_if_due,
     shard_file,
     step_name,
     summary,
 )
+from tpedu.checkpoint.reader import load
+from tpedu.checkpoint.writer import save
 from tpedu.model.state import (
     KINDS,
     dense_shapes,
@@ -86,9 +87,7 @@ __all__ = [
     "replace_dir",
     "reshard",
     "resolve",
-    "resume_from",
     "save",
-    "save_if_due",
     "write_model_dir",
     "shard_file",
     "split_tensor",

@@ -24,18 +24,16 @@ from torch import nn
 
 import tpedu
 from tpedu.checkpoint.files import CheckpointError, export_tmp, replace_dir
-from tpedu.checkpoint.sharded import (
+from tpedu.checkpoint.index import (
     FORMAT,
-    ShardReader,
-    finalize_step,
     layout_entry,
-    prepare_step,
     read_config,
     read_index,
     read_parallel,
     resolve,
-    write_shard,
 )
+from tpedu.checkpoint.reader import ShardReader
+from tpedu.checkpoint.writer import finalize_step, prepare_step, write_shard
 from tpedu.data import tokenizer
 from tpedu.model.config import GPTConfig
 from tpedu.model.dense import DenseGPT

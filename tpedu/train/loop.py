@@ -21,7 +21,6 @@ import torch._dynamo  # the optimizers import it (≈3-5 s): once here, not per 
 import torch.distributed as dist
 from tqdm import tqdm
 
-from tpedu.checkpoint.sharded import resume_from, save_if_due, saving_now  # lesson 14
 from tpedu.comm.device import device
 from tpedu.model.config import GPTConfig
 from tpedu.model.dense import DenseGPT
@@ -29,6 +28,7 @@ from tpedu.parallel.config import ParallelConfig
 from tpedu.parallel.mesh import Mesh
 from tpedu.parallel.pipeline.runtime import run_schedule
 from tpedu.parallel.pipeline.schedules import stage_layers
+from tpedu.train.checkpoints import resume_from, save_if_due, saving_now  # lesson 14
 from tpedu.train.config import TrainConfig
 from tpedu.train.export import gather_pipeline_state, write_dense
 from tpedu.train.precision import autocast

@@ -10,7 +10,7 @@ saves in between loses nothing: `train` continues from the checkpoint with `--re
             saved = save(k + 1)             # a checkpoint, when due
             if agree_to_stop(flag):         # every rank, after every step: stop together?
                 if saved is None:
-                    with saving_now():      # tpedu.checkpoint.sharded: save, due or not
+                    with saving_now():      # tpedu.train.checkpoints: save, due or not
                         saved = save(k + 1)
                 raise Preempted(k + 1, saved)
 

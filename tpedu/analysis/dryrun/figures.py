@@ -16,7 +16,6 @@ GROUP_ORDER = ("tp", "pp", "dp", "emb", "world")
 PHASE_ORDER = ("forward", "backward", "grad_sync")
 
 
-
 @dataclass(frozen=True)
 class Traffic:
     """One (group, op, phase) line of the tracer's summary for the step."""

@@ -1,0 +1,283 @@
+"""Lesson 14: saving a sharded checkpoint: every rank writes what it owns, atomically (the format:
+tpedu.checkpoint.index)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Sequence
+from dataclasses import asdict, is_dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import save as safetensors_bytes
+from torch import nn
+
+import tpedu
+from tpedu.checkpoint.files import (
+    CheckpointError,
+    file_sha256,
+    fsync_dir,
+    replace_dir,
+    write_synced,
+)
+from tpedu.checkpoint.index import (
+    FORMAT,
+    INDEX,
+    LATEST,
+    agree,
+    layout_entry,
+    optimizer_view,
+    shard_file,
+    step_name,
+)
+from tpedu.model.config import GPTConfig
+from tpedu.model.gpt import TPGPT
+from tpedu.model.state import (
+    dense_shapes,
+    shard_map,
+)
+from tpedu.parallel.config import ParallelConfig
+
+
+def prepare_step(root: Path, step: int) -> Path:
+    """A fresh temporary directory for this step (a stale one from a crashed save is removed)."""
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".tmp-{step_name(step)}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    return tmp
+
+
+def write_shard(
+    tmp: Path, coords: tuple[int, int, int], tensors: dict[str, torch.Tensor], kinds: dict[str, str]
+) -> None:
+    meta = {
+        "tp_rank": str(coords[0]),
+        "pp_rank": str(coords[1]),
+        "dp_rank": str(coords[2]),
+        "kinds": json.dumps(kinds),
+    }
+    data = safetensors_bytes({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, meta)
+    write_synced(tmp / shard_file(*coords), data)
+
+
+def finalize_step(root: Path, tmp: Path, step: int, header: dict, tok: object | None) -> Path:
+    """Index the shard files in `tmp`, write index.json, rename to step_N, then move `latest`."""
+    config = GPTConfig.from_dict(header["model"])
+    shapes = dense_shapes(config)
+    tensors: dict[str, dict] = {}
+    files: dict[str, dict] = {}
+    for path in sorted(tmp.glob("*.safetensors")):
+        files[path.name] = {"bytes": path.stat().st_size, "sha256": file_sha256(path)}
+        with safe_open(path, framework="pt") as f:
+            meta = f.metadata()
+            kinds = json.loads(meta["kinds"])
+            for key in f.keys():
+                shape = list(f.get_slice(key).get_shape())
+                name = key.split("/", 1)[-1]
+                entry = tensors.setdefault(
+                    key,
+                    {
+                        "shape": list(shapes[name]) if shape else [],
+                        "dtype": "",
+                        "kind": kinds[key],
+                        "stage": int(meta["pp_rank"]),  # the rank that wrote it
+                        "shards": [],
+                    },
+                )
+                entry["dtype"] = str(f.get_slice(key).get_dtype())
+                entry["shards"].append(
+                    {"file": path.name, "tp_rank": int(meta["tp_rank"]), "shape": shape}
+                )
+    tp = header["layout"]["tp"]
+    for key, entry in tensors.items():
+        entry["shards"].sort(key=lambda s: s["tp_rank"])
+        want = 1 if entry["kind"] == "replicated" else tp
+        if len(entry["shards"]) != want:  # a bug in the writer, caught before `latest` moves
+            raise CheckpointError(f"{key}: {len(entry['shards'])} shards written, expected {want}")
+    index = {**header, "step": step, "files": files, "tensors": dict(sorted(tensors.items()))}
+    if tok is not None:
+        tok.save(tmp / "tokenizer.json")
+    write_synced(tmp / INDEX, json.dumps(index, indent=1).encode())
+    fsync_dir(tmp)
+    final = root / step_name(step)
+    replace_dir(tmp, final)  # renames, atomic on one file system: never a half-written step_N
+    write_synced(root / ".latest.tmp", f"{final.name}\n".encode())
+    os.replace(root / ".latest.tmp", root / LATEST)  # atomic too: latest moves last
+    fsync_dir(root)
+    return final
+
+
+def _header(
+    config: GPTConfig,
+    parallel: ParallelConfig,
+    step: int,
+    train_cfg: object | None,
+    opt: object | None,
+) -> dict:
+    batch = getattr(train_cfg, "batch", None)
+    seed = getattr(train_cfg, "seed", None)
+    inner, _ = optimizer_view(opt)
+    optim = None
+    if inner is not None:
+        g = inner.param_groups[0] if inner.param_groups else {}
+        optim = {
+            "type": type(inner).__name__,
+            "betas": list(g.get("betas", ())),
+            "eps": g.get("eps"),
+            "weight_decay": [x.get("weight_decay") for x in inner.param_groups],
+        }
+    return {
+        "format": FORMAT,
+        "tpedu_version": tpedu.__version__,
+        "model": config.to_dict(),
+        "parallel": parallel.to_dict(),
+        "layout": layout_entry(parallel, config),
+        "tokens_seen": step * batch * config.seq_len if batch else None,
+        "data": {
+            "sampler": "tpedu.data.batches.packed_batch",
+            "seed": seed,
+            "next_step": step,
+            "note": "batch k is drawn from a generator seeded by (seed, k): resuming at "
+            "next_step redraws exactly the batches an uninterrupted run sees",
+        },
+        "rng": {
+            "dropout_seed": config.seed,
+            "init_seed": seed,
+            "note": "dropout masks hash (seed, layer, site, step, index); the loop draws no "
+            "other random numbers after initialisation, so step + seeds are the "
+            "whole RNG state",
+        },
+        "optimizer": optim,
+        "train": asdict(train_cfg) if is_dataclass(train_cfg) else None,
+    }
+
+
+def save(
+    root: str | Path,
+    model: TPGPT | Sequence[TPGPT],
+    opt: object | None,
+    step: int,
+    *,
+    mesh: object | None = None,
+    parallel: ParallelConfig | None = None,
+    train_cfg: object | None = None,
+    tok: object | None = None,
+    scaler: object | None = None,
+) -> Path:
+    """Save this step's checkpoint under `root` from every rank of the world. Collective.
+
+    model: this rank's TPGPT (or its pipeline chunks); opt: its AdamW, its ShardedDataParallel
+    (ZeRO) or None; mesh: the run's tpedu.parallel.mesh.Mesh (None: one TP group, a model
+    saved outside train); parallel: the run's ParallelConfig, stored in the index (None:
+    plain TP over the model's group, its sequence parallelism as built); scaler: the fp16
+    LossScaler, whose state the index keeps ("loss_scaler"). Returns root/step_N.
+    3 tiny all-reduces (barriers that also carry failures: one rank's error makes every rank
+    raise, and `latest` does not move).
+    """
+    root = Path(root)
+    chunks = [model] if isinstance(model, nn.Module) else list(model)
+    config = chunks[0].config
+    if mesh is None:
+        coords = (dist.get_rank(chunks[0].group), 0, 0)
+        layout = (dist.get_world_size(chunks[0].group), 1, 1)
+        cp_rank = dist.get_rank(chunks[0].cp_group) if chunks[0].cp > 1 else 0
+    else:
+        coords = (mesh.tp_rank, mesh.pp_rank, mesh.dp_rank)
+        layout = (mesh.layout.tp, mesh.layout.pp, mesh.layout.dp)
+        cp_rank = mesh.cp_rank
+    if parallel is None:
+        tp, pp, dp = layout
+        sp = chunks[0].sequence_parallel
+        parallel = ParallelConfig(tp, pp, dp, chunks=len(chunks), sequence_parallel=sp)
+    if (parallel.tp, parallel.pp, parallel.dp, parallel.chunks) != (*layout, len(chunks)):
+        raise ValueError(
+            f"parallel says tp={parallel.tp} pp={parallel.pp} dp={parallel.dp} "
+            f"chunks={parallel.chunks}, the ranks run tp, pp, dp = {layout} with {len(chunks)} "
+            "chunks; pass the ParallelConfig the model was built with"
+        )
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    tmp = Path(root) / f".tmp-{step_name(step)}"
+    error: BaseException | None = None
+    try:
+        if rank0:
+            prepare_step(root, step)
+    except Exception as e:  # reported to every rank by agree
+        error = e
+    agree(error, f"preparing {tmp}")
+    try:
+        dp_size = layout[2] if parallel.zero else 1  # how many dp ranks write optimizer state
+        tensors, kinds = _rank_tensors(chunks, opt, coords, dp_size)
+        if tensors and cp_rank == 0:  # CP ranks hold the same shards, as replicas do
+            write_shard(tmp, coords, tensors, kinds)
+    except Exception as e:  # reported to every rank by agree
+        error = e
+    agree(error, f"writing {tmp}")
+    final = root / step_name(step)
+    try:
+        if rank0:
+            header = _header(config, parallel, step, train_cfg, opt)
+            if scaler is not None:
+                header["loss_scaler"] = scaler.state_dict()
+            finalize_step(root, tmp, step, header, tok)
+    except Exception as e:
+        error = e
+    agree(error, f"finalizing {final}")
+    return final
+
+
+def _rank_tensors(
+    chunks: list[TPGPT], opt: object | None, coords: tuple[int, int, int], dp_size: int
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """What this rank writes: the tensors `state_writers` gives its dp rank of `dp_size` (1, no
+    ZeRO: dp rank 0 writes them all), each with the optimizer state it holds; replicated ones
+    by tp rank 0 only. ZeRO (an `opt` with `whole_tensors`) hands them over whole from its
+    shards, one buffer at a time: collective over DP."""
+    tp_rank, _, dp_rank = coords
+    entries = [
+        e
+        for e in shard_map(chunks)
+        if not (e.tied_copy or (e.stored_kind == "replicated" and tp_rank))
+    ]
+    writers = state_writers([e.param.numel() for e in entries], dp_size)
+    mine = [e for e, writer in zip(entries, writers, strict=True) if writer == dp_rank]
+    if hasattr(opt, "whole_tensors"):
+        got = opt.whole_tensors({id(e.param) for e in mine})
+    else:
+        inner, managed = optimizer_view(opt)
+        got = {
+            id(e.param): (
+                e.param.detach(),
+                inner.state.get(e.param, {})
+                if inner is not None and id(e.param) in managed
+                else {},
+            )
+            for e in mine
+        }
+    tensors: dict[str, torch.Tensor] = {}
+    kinds: dict[str, str] = {}
+    for e in mine:
+        value, state = got[id(e.param)]
+        tensors[e.name], kinds[e.name] = value, e.stored_kind
+        for key, v in state.items():
+            if torch.is_tensor(v) and (v.dim() or not tp_rank):  # scalars once
+                k = f"{key}/{e.name}"
+                tensors[k], kinds[k] = v.detach(), e.stored_kind if v.dim() else "replicated"
+    return tensors, kinds
+
+
+def state_writers(numels: Sequence[int], n: int) -> list[int]:
+    """Which of n dp ranks writes each tensor and its optimizer state: largest first, each to the
+    rank with the fewest elements so far (ties keep the order), so every rank writes about 1/n.
+    numels [5, 3, 3, 1], n 2 -> [0, 1, 1, 0]."""
+    load = [0] * n
+    writer = [0] * len(numels)
+    for i in sorted(range(len(numels)), key=lambda i: -numels[i]):  # stable: ties keep order
+        writer[i] = min(range(n), key=lambda r: load[r])
+        load[writer[i]] += numels[i]
+    return writer
