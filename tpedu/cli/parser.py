@@ -9,6 +9,14 @@ from __future__ import annotations
 
 import argparse
 
+from tpedu.cp.ring import LAYOUTS as CP_LAYOUTS
+from tpedu.data.tokenizer import KINDS as TOKENIZERS
+from tpedu.launcher import BACKENDS
+from tpedu.model.config import RECOMPUTE
+from tpedu.parallel.config import CP_STRATEGIES, SCHEDULES, STAGE_SPLITS, ZERO_LEVELS
+from tpedu.train.config import REDUCE_DTYPES
+from tpedu.train.precision import DTYPES
+
 DESCRIPTION = """\
 The tpedu command line. Every subcommand works two ways:
 
@@ -39,7 +47,7 @@ def _common(s: argparse.ArgumentParser, ranks_flag: str = "--nprocs") -> None:
         dest=ranks_flag.lstrip("-"),
         help="local ranks (under torchrun: must equal the world size)",
     )
-    s.add_argument("--backend", choices=["gloo", "nccl"], default=None)
+    s.add_argument("--backend", choices=BACKENDS, default=None)
     s.add_argument(
         "--timeout",
         type=float,
@@ -95,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="clip the global gradient norm to this (0: no clipping)",
     )
     tr.add_argument("--dropout", type=float, default=0.0)
-    tr.add_argument("--tokenizer", choices=["char", "bpe"], default="char")
+    tr.add_argument("--tokenizer", choices=TOKENIZERS, default="char")
     tr.add_argument("--bpe-vocab", type=int, default=4096)
     tr.add_argument(
         "--replicated-embedding",
@@ -112,19 +120,19 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--seed", type=int, default=0)
     tr.add_argument(
         "--dtype",
-        choices=["fp32", "bf16", "fp16"],
+        choices=tuple(DTYPES),
         default="fp32",
         help="compute precision; weights, gradients and AdamW stay fp32 (bf16/fp16: autocast)",
     )
     tr.add_argument(
         "--grad-reduce",
-        choices=["fp32", "low"],
+        choices=REDUCE_DTYPES,
         default="fp32",
         help="data-parallel gradient all-reduce in fp32, or in --dtype (half the bytes)",
     )
     tr.add_argument(
         "--param-gather",
-        choices=["fp32", "low"],
+        choices=REDUCE_DTYPES,
         default="fp32",
         help="ZeRO-2/3's parameter all-gathers in fp32, or in --dtype (half the bytes)",
     )
@@ -181,7 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     rs.add_argument("--tp", type=int, default=1)
     rs.add_argument("--pp", type=int, default=1)
     rs.add_argument("--dp", type=int, default=1)
-    rs.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0, help="ZeRO stage")
+    rs.add_argument("--zero", type=int, choices=ZERO_LEVELS, default=0, help="ZeRO stage")
     rs.add_argument("--zero1", dest="zero", action="store_const", const=1, help="= --zero 1")
     rs.add_argument(
         "--to",
@@ -211,8 +219,8 @@ def _layout_flags(p: argparse.ArgumentParser) -> None:
         default=1,
         help="context-parallel ranks: each sequence split over them (lesson 09)",
     )
-    p.add_argument("--cp-strategy", choices=["ring", "ulysses"], default="ring")
-    p.add_argument("--cp-layout", choices=["zigzag", "contiguous"], default="zigzag")
+    p.add_argument("--cp-strategy", choices=CP_STRATEGIES, default="ring")
+    p.add_argument("--cp-layout", choices=CP_LAYOUTS, default="zigzag")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages (lesson 11)")
     p.add_argument("--dp", type=int, default=1, help="data-parallel replicas (lesson 12)")
     p.add_argument(
@@ -224,7 +232,7 @@ def _layout_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--zero",
         type=int,
-        choices=(0, 1, 2, 3),
+        choices=ZERO_LEVELS,
         default=0,
         help="ZeRO stage over the --dp ranks (lesson 12): 1 shards AdamW's states, 2 also the "
         "gradients, 3 also the parameters (FSDP)",
@@ -232,7 +240,7 @@ def _layout_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--zero1", dest="zero", action="store_const", const=1, help="= --zero 1")
     p.add_argument(
         "--schedule",
-        choices=["1f1b", "gpipe", "interleaved"],
+        choices=SCHEDULES,
         default="1f1b",
         help="pipeline schedule with --pp (lesson 11)",
     )
@@ -244,7 +252,7 @@ def _layout_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--stage-split",
-        choices=["even", "flops"],
+        choices=STAGE_SPLITS,
         default="even",
         help="blocks per pipeline stage: even, or by FLOPs counting the head (lesson 11)",
     )
@@ -255,7 +263,7 @@ def _layout_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--recompute",
-        choices=["none", "selective", "full"],
+        choices=RECOMPUTE,
         default="none",
         help="recompute in backward: the attention core, or whole blocks (lesson 10)",
     )
@@ -280,7 +288,7 @@ def _dryrun_parser(sub: argparse._SubParsersAction) -> None:
     _layout_flags(dr)
     dr.add_argument(
         "--dtype",
-        choices=["fp32", "bf16", "fp16"],
+        choices=tuple(DTYPES),
         default="fp32",
         help="as train's: fp32, or bf16 (autocast's casts, imitated on meta tensors); not fp16",
     )

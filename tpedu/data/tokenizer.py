@@ -25,6 +25,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 PAD, UNK = "<pad>", "<unk>"
 
 
+KINDS = ("char", "bpe")  # character-level, byte-level BPE
+
+
 class CharTokenizer:
     """Character-level: id 0 is <pad>, 1 is <unk>, then the training text's characters, sorted."""
 
@@ -125,7 +128,7 @@ def build(
     text: str, kind: str = "char", vocab_size: int = 8192, cache_dir: str | Path | None = None
 ) -> CharTokenizer | BPETokenizer:
     """Train a tokenizer on `text`, or load it from `cache_dir` if this exact one was trained."""
-    if kind not in ("char", "bpe"):
+    if kind not in KINDS:
         raise ValueError(f"tokenizer kind must be 'char' or 'bpe', got {kind!r}")
     key = hashlib.sha256(f"{kind}:{vocab_size}:".encode() + text.encode()).hexdigest()[:16]
     path = Path(cache_dir) / f"{kind}-{key}.json" if cache_dir else None

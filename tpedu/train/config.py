@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 from tpedu.train.precision import DTYPES
 
+REDUCE_DTYPES = ("fp32", "low")  # a collective in fp32, or in the run's low-precision dtype
+
 
 @dataclass
 class TrainConfig:
@@ -34,7 +36,7 @@ class TrainConfig:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
         for name in ("grad_reduce", "param_gather"):
-            if getattr(self, name) not in ("fp32", "low"):
+            if getattr(self, name) not in REDUCE_DTYPES:
                 raise ValueError(f"{name} must be 'fp32' or 'low', got {getattr(self, name)!r}")
 
 
