@@ -378,6 +378,29 @@ def test_reader_on_a_small_tree(tmp_path):
     ]
 
 
+LONG = 80  # lines: a function longer than this says why in its docstring ("Long because ...")
+
+
+def test_a_long_function_says_why():
+    bad = []
+    for path in modules().values():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > LONG and "Long because" not in (ast.get_docstring(node) or ""):
+                    bad.append(
+                        f"{path.relative_to(ROOT.parent)}:{node.lineno} {node.name}: {lines}"
+                    )
+    assert not bad, f"functions over {LONG} lines without a reason:\n" + "\n".join(bad)
+
+
+def test_no_module_is_over_600_lines():
+    """A module is one concept, read in one sitting; past 600 lines it is several."""
+    sizes = {p: len(p.read_text(encoding="utf-8").splitlines()) for p in modules().values()}
+    bad = [f"{p.relative_to(ROOT.parent)}: {n}" for p, n in sizes.items() if n > 600]
+    assert not bad, "modules over 600 lines:\n" + "\n".join(bad)
+
+
 def test_every_module_docstring_names_its_lesson():
     bad = []
     for path in modules().values():

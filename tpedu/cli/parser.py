@@ -57,7 +57,10 @@ def _common(s: argparse.ArgumentParser, ranks_flag: str = "--nprocs") -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The parser for `python -m tpedu SUBCOMMAND ...` (its --help shows DESCRIPTION)."""
+    """The parser for `python -m tpedu SUBCOMMAND ...` (its --help shows DESCRIPTION).
+
+    Long because it is the CLI's reference: every subcommand and its own flags, top to bottom in
+    --help's order (the flags several subcommands share are the helpers below)."""
     p = argparse.ArgumentParser(
         prog="python -m tpedu",
         description=DESCRIPTION,

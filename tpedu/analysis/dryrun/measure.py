@@ -207,6 +207,9 @@ def measure_rank(
     `run_loop` for one step, so its communication is a real step's: `TrainStep`'s,
     train's world all-reduce of the loss, and whatever
     run_loop adds per step (today 1 int32 world all-reduce: the preemption check).
+
+    Long because it is build, step, then read: the figures are read off the objects the step
+    used (its optimizer, its flat buffers, its saved tensors), which live only in here.
     """
     m = check_setup(config, parallel, batch)
     parallel.layout.check_world(dist.get_world_size())

@@ -81,7 +81,9 @@ def _layer_terms(
     """tpedu's bytes per block and micro-batch minus Korthikanti et al.'s (16-bit values,
     1-byte masks), by cause, for the GPT-2 block this dry run trains (dropout 0, flash
     attention; fp32, or bf16 autocast: the matmuls' values in 2 bytes as the paper's, the
-    residual stream in 4). Sums to (tpedu - paper) per layer; see the module docstring."""
+    residual stream in 4). Sums to (tpedu - paper) per layer; see the module docstring.
+
+    Long because it is one table: a term per cause, each beside the code that makes it."""
     c, t, sp, rc = config, parallel.tp, parallel.sequence_parallel, parallel.recompute
     low = dtype != "fp32"
     s, b, h, a = c.seq_len, micro, c.hidden, c.n_heads
@@ -345,6 +347,10 @@ def _gathered_comparison(
 def memory_comparisons(
     fig: RankFigures, config: GPTConfig, parallel: ParallelConfig
 ) -> list[Comparison]:
+    """Each memory figure of the rank (parameters, weights, gradients, optimizer states, the
+    whole parameters' peak, activations) beside the ledger's, every difference named.
+
+    Long because it is one table: a row per figure, each with its own terms."""
     shape, why = model_shape(config, fig.micro_batch)
     measured = [
         ("parameters", fig.params),

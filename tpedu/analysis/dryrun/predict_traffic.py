@@ -5,6 +5,7 @@ rank sent, group by group (tp, cp, pp, dp, emb, world).
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 from tpedu.analysis import whatif
 from tpedu.analysis.dryrun.figures import (
@@ -22,6 +23,7 @@ from tpedu.analysis.dryrun.predict_memory import (
     table_rows,
     value_bytes,
 )
+from tpedu.analysis.shape import ModelShape
 from tpedu.cp.traffic import ring_messages, ulysses_messages
 from tpedu.model.config import GPTConfig
 from tpedu.parallel.config import ParallelConfig
@@ -42,36 +44,69 @@ def _sp_params(config: GPTConfig, fig: RankFigures) -> int:
     return total
 
 
+@dataclass(frozen=True)
+class _Volumes:
+    """One rank's traffic and the what-if's for its layout: what every group's comparison reads."""
+
+    fig: RankFigures
+    config: GPTConfig  # this rank's local view: with CP, s/cp positions per message
+    parallel: ParallelConfig
+    shape: ModelShape
+    vol: whatif.Volumes
+    measured: dict[str, int]
+
+    @property
+    def msg(self) -> float:  # one [b, s, h] message at 4 bytes per value
+        return self.vol.message_bytes
+
+    @property
+    def m(self) -> int:
+        return self.fig.micro_batches
+
+
 def traffic_comparisons(
     fig: RankFigures, config: GPTConfig, parallel: ParallelConfig, batch: int
 ) -> list[Comparison]:
-    c, tp, pp, dp, v = config, parallel.tp, parallel.pp, parallel.dp, parallel.chunks
-    sp, e, m = parallel.sequence_parallel, VALUE_BYTES, fig.micro_batches
+    """Each group's bytes sent (tp, cp, pp, dp, emb, world) beside the what-if's, every
+    difference named."""
+    pp, v = parallel.pp, parallel.chunks
     shape, why = model_shape(config, fig.micro_batch)
-    cp = parallel.cp
-    groups = ["tp", "pp", "dp", "emb"] + (["cp"] if cp > 1 else []) + ["world"]
+    groups = ["tp", "pp", "dp", "emb"] + (["cp"] if parallel.cp > 1 else []) + ["world"]
     measured = {g: fig.sent(g) for g in groups}
-    if shape is None or c.n_layers % (pp * v):
-        note = why or f"the what-if needs L divisible by pp·chunks ({c.n_layers}, {pp}·{v})"
+    if shape is None or config.n_layers % (pp * v):
+        note = why or f"the what-if needs L divisible by pp·chunks ({config.n_layers}, {pp}·{v})"
         return [
             Comparison(f"{g} traffic", measured[g], None, "what-if", note=note)
             for g in groups
             if measured[g]
         ]
     par = whatif.Parallel(
-        tp=tp,
+        tp=parallel.tp,
         pp=pp,
-        dp=dp,
+        dp=parallel.dp,
         batch=batch,
         micro=fig.micro_batch,
         chunks=v,
         recompute=parallel.recompute == "full",
     )
     c = local_config(config, parallel)  # with CP every message holds this rank's s/cp positions
-    vol = whatif.volumes(dataclasses.replace(shape, seq_len=c.seq_len), par, e)
-    msg = vol.message_bytes  # one [b, s, h] message at 4 bytes per value
-    out = []
+    vol = whatif.volumes(dataclasses.replace(shape, seq_len=c.seq_len), par, VALUE_BYTES)
+    x = _Volumes(fig, c, parallel, shape, vol, measured)
+    terms = _tp_block_terms(x) + _tp_end_terms(x)
+    out = [
+        Comparison(
+            "tp traffic", measured["tp"], vol.tp_all_reduces * x.msg, "what-if", tuple(terms)
+        )
+    ]
+    if parallel.cp > 1:
+        out.append(_cp_comparison(fig, config, parallel, measured["cp"]))
+    return out + [_pp_traffic(x), _dp_traffic(x)] + _emb_and_world_traffic(x)
 
+
+def _tp_block_terms(x: _Volumes) -> list[Term]:
+    """TP inside the blocks: the what-if's all-reduces, and how this rank's calls differ."""
+    c, pp, sp, m = x.config, x.parallel.pp, x.parallel.sequence_parallel, x.m
+    fig, vol, msg, parallel = x.fig, x.vol, x.msg, x.parallel
     # TP: the blocks' all-reduces (or SP's all-gather / reduce-scatter pairs: the same bytes)
     terms = []
     per_stage = c.n_layers // pp
@@ -129,6 +164,15 @@ def traffic_comparisons(
             )
             halved = (2 + full) * blocks_msgs / 2
         terms.append(Term(what, -halved))
+    return terms
+
+
+def _tp_end_terms(x: _Volumes) -> list[Term]:
+    """TP outside the blocks: embedding, LM head and loss, replicated KV heads' and sequence-
+    parallel parameters' gradients, the gradient norm."""
+    c, tp, sp, e = x.config, x.parallel.tp, x.parallel.sequence_parallel, VALUE_BYTES
+    m, fig, msg = x.m, x.fig, x.msg
+    terms = []
     vp = c.vocab_parallel
     if fig.first:
         calls = (2 if sp else 1) if vp else (1 if sp else 0)
@@ -160,13 +204,12 @@ def traffic_comparisons(
             )
         )
     terms.append(Term("gradient norm: 1 float64 all-reduce", 8))
-    tp_traffic = Comparison(
-        "tp traffic", measured["tp"], vol.tp_all_reduces * msg, "what-if", tuple(terms)
-    )
-    out.append(tp_traffic)
-    if cp > 1:
-        out.append(_cp_comparison(fig, config, parallel, measured["cp"]))
+    return terms
 
+
+def _pp_traffic(x: _Volumes) -> Comparison:
+    tp, pp, v, sp = x.parallel.tp, x.parallel.pp, x.parallel.chunks, x.parallel.sequence_parallel
+    m, fig, vol, msg = x.m, x.fig, x.vol, x.msg
     # PP: activations forward, their gradients back; the what-if prices 2 sends per
     # micro-batch and chunk of a [b, s, h] message
     sends = sum(m for cc in range(v) if cc * pp + fig.coords[1] != pp * v - 1)  # forward
@@ -198,10 +241,14 @@ def traffic_comparisons(
             )
         )
     pp_terms.append(Term("gradient norm: 1 float64 all-reduce", 8))
-    out.append(
-        Comparison("pp traffic", measured["pp"], vol.pp_sends * msg, "what-if", tuple(pp_terms))
+    return Comparison(
+        "pp traffic", x.measured["pp"], vol.pp_sends * msg, "what-if", tuple(pp_terms)
     )
 
+
+def _dp_traffic(x: _Volumes) -> Comparison:
+    tp, pp, e, fig = x.parallel.tp, x.parallel.pp, VALUE_BYTES, x.fig
+    vol, dp, shape, parallel = x.vol, x.parallel.dp, x.shape, x.parallel
     # DP: one all-reduce of this rank's gradients (buckets), or ZeRO's reduce-scatters and
     # all-gathers (which run over a DP group of 1 too, as train runs them)
     dp_terms = []
@@ -221,8 +268,12 @@ def traffic_comparisons(
         )
     if parallel.zero:
         dp_terms += _sharded_traffic_terms(fig, parallel)
-    out.append(Comparison("dp traffic", measured["dp"], predicted, "what-if", tuple(dp_terms)))
+    return Comparison("dp traffic", x.measured["dp"], predicted, "what-if", tuple(dp_terms))
 
+
+def _emb_and_world_traffic(x: _Volumes) -> list[Comparison]:
+    c, tp, pp, e = x.config, x.parallel.tp, x.parallel.pp, VALUE_BYTES
+    fig = x.fig
     emb_terms = []
     if pp > 1 and c.tie_embeddings and (fig.first or fig.last):
         emb_terms.append(
@@ -231,17 +282,16 @@ def traffic_comparisons(
                 table_rows(c, tp) * c.hidden * e,
             )
         )
-    out.append(Comparison("emb traffic", measured["emb"], 0.0, "what-if", tuple(emb_terms)))
-    out.append(
+    return [
+        Comparison("emb traffic", x.measured["emb"], 0.0, "what-if", tuple(emb_terms)),
         Comparison(
             "world traffic",
-            measured["world"],
+            x.measured["world"],
             0.0,
             "what-if",
             (Term("the loop's loss average over replicas (1 float64)", 8), STOP_CHECK),
-        )
-    )
-    return out
+        ),
+    ]
 
 
 def _sharded_traffic_terms(fig: RankFigures, parallel: ParallelConfig) -> list[Term]:

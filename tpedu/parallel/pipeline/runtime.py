@@ -101,6 +101,9 @@ def run_schedule(
     last stage's loss before its backward (fp16 loss scaling; the returned loss is unscaled).
     Communication per micro-batch and stage boundary: forward 1 send/recv of [b, s, H];
     backward 1 send/recv of its gradient.
+
+    Long because it is one loop over the actions: every send and receive of a step in the order
+    they happen, which is what a schedule is (split, the order would be spread over helpers).
     """
     p, s = pipe.stages, pipe.stage
     last_vs = p * len(chunks) - 1
