@@ -329,17 +329,26 @@ def test_no_private_name_is_used_across_modules():
     assert not bad, "private names used outside their module:\n" + "\n".join(bad)
 
 
-def test_private_uses_on_a_small_tree(tmp_path):
-    pkg = tmp_path / PACKAGE
-    for rel, text in {
-        "comm/__init__.py": "",
-        "comm/collectives.py": "_g = _h = 0\n",
-        "tp/__init__.py": "",
-        "tp/priv.py": "from tpedu.comm.collectives import _g\nfrom tpedu.comm import collectives\n"
-        "collectives._h\ncollectives.__name__\n",
-    }.items():
+def small_tree(root: Path, files: dict[str, str]) -> Path:
+    """A made-up package under root: {path inside it: source}; returns its directory."""
+    pkg = root / PACKAGE
+    for rel, text in files.items():
         (pkg / rel).parent.mkdir(parents=True, exist_ok=True)
         (pkg / rel).write_text(text)
+    return pkg
+
+
+def test_private_uses_on_a_small_tree(tmp_path):
+    pkg = small_tree(
+        tmp_path,
+        {
+            "comm/__init__.py": "",
+            "comm/collectives.py": "_g = _h = 0\n",
+            "tp/__init__.py": "",
+            "tp/priv.py": "from tpedu.comm.collectives import _g\n"
+            "from tpedu.comm import collectives\ncollectives._h\ncollectives.__name__\n",
+        },
+    )
     assert private_uses(pkg) == [
         "tpedu/tp/priv.py:1: imports tpedu.comm.collectives._g",
         "tpedu/tp/priv.py:3: uses collectives._h",
@@ -348,17 +357,17 @@ def test_private_uses_on_a_small_tree(tmp_path):
 
 def test_reader_on_a_small_tree(tmp_path):
     """The reader and the checks on a made-up package: the failures read as they should."""
-    pkg = tmp_path / PACKAGE
-    for rel, text in {
-        "__init__.py": "from tpedu.launcher import launch\n",
-        "launcher.py": "def launch(): ...\n",
-        "comm/__init__.py": "from . import collectives\n",
-        "comm/collectives.py": "def f():\n    from tpedu.tp import layers\n",
-        "tp/__init__.py": "",
-        "tp/layers.py": "from ..comm.collectives import f\nfrom tpedu import tp\n",
-    }.items():
-        (pkg / rel).parent.mkdir(parents=True, exist_ok=True)
-        (pkg / rel).write_text(text)
+    pkg = small_tree(
+        tmp_path,
+        {
+            "__init__.py": "from tpedu.launcher import launch\n",
+            "launcher.py": "def launch(): ...\n",
+            "comm/__init__.py": "from . import collectives\n",
+            "comm/collectives.py": "def f():\n    from tpedu.tp import layers\n",
+            "tp/__init__.py": "",
+            "tp/layers.py": "from ..comm.collectives import f\nfrom tpedu import tp\n",
+        },
+    )
     edges = imports(pkg)
     pairs = {(e.source, e.target) for e in edges}
     assert pairs == {
