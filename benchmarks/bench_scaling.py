@@ -36,18 +36,17 @@ from tpedu.comm.cost_model import AlphaBeta, fit, measure
 from tpedu.comm.tracer import CommTracer
 from tpedu.model.config import GPTConfig
 from tpedu.model.dense import DenseGPT
-from tpedu.parallel.config import ParallelConfig
+from tpedu.parallel.config import SCHEDULES, ParallelConfig
 from tpedu.parallel.mesh import Layout, Mesh
 from tpedu.parallel.pipeline.runtime import build_stage_chunks
 from tpedu.parallel.pipeline.schedules import (
     Event,
     bubble_formula,
     bubble_fraction,
-    schedule,
     stage_layers,
 )
 from tpedu.train.config import TrainConfig
-from tpedu.train.step import build_step, split_batch
+from tpedu.train.step import build_step, check_setup
 
 FIT_SIZES = (4096, 65536, 1 << 20, 4 << 20)
 DEFAULT_LAYOUTS = ["1x1x1", "2x1x1", "1x2x1", "1x1x2", "2x2x1", "2x1x2", "1x2x2"]
@@ -65,10 +64,7 @@ def check_layout(
     config: GPTConfig, layout: Layout, micro: int | None, kind: str = "1f1b", n_chunks: int = 1
 ) -> None:
     """Raise a ValueError (before anything runs) if the benchmark cannot run at `layout`."""
-    parallel = layout_config(layout, micro, kind, n_chunks)
-    parallel.check(config)
-    _, m = split_batch(BATCH, parallel)
-    schedule(kind, m, layout.pp, 0, n_chunks)
+    check_setup(config, layout_config(layout, micro, kind, n_chunks), BATCH)
 
 
 def layout_config(
@@ -246,7 +242,7 @@ def main() -> None:
     how.add_argument("--tp", type=int, nargs="+", help="shorthand for the layouts tp x 1 x 1")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--micro-batches", type=int, help="default: train.default_micro_batches")
-    ap.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe", "interleaved"])
+    ap.add_argument("--schedule", default="1f1b", choices=SCHEDULES)
     ap.add_argument("--chunks", type=int, default=1, help="model chunks per rank (interleaved)")
     ap.add_argument(
         "--stage-split",

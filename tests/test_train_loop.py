@@ -20,16 +20,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.helpers import CONFIG, V
 from tpedu import launch
 from tpedu.data.batches import packed_batch
-from tpedu.model.config import GPTConfig
 from tpedu.model.dense import DenseGPT
 from tpedu.train.config import TrainConfig, lr_at
 from tpedu.train.loop import train
 from tpedu.train.step import clip_grads
 
-V = 41
-CONFIG = GPTConfig.gpt2_like(V, seq_len=8, n_layers=2, hidden=16, n_heads=2)
 CFG = TrainConfig(
     steps=4,
     batch=4,

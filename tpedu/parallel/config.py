@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, fields
 from tpedu.cp.ring import LAYOUTS, check_cp_length
 from tpedu.model.config import RECOMPUTE, GPTConfig
 from tpedu.model.gpt import check_context_parallel
-from tpedu.parallel.mesh import Layout
+from tpedu.parallel.mesh import Layout, Mesh
 from tpedu.parallel.pipeline.schedules import partition, schedule
 from tpedu.tp.sequence_parallel import check_sequence_length
 
@@ -85,10 +85,12 @@ class ParallelConfig:
     def world(self) -> int:
         return self.tp * self.cp * self.pp * self.dp
 
-    def model_options(self) -> dict[str, object]:
-        """TPGPT's keyword arguments: what of this config the model itself needs (with cp > 1
-        the caller adds the CP group, `cp_group`)."""
+    def model_options(self, mesh: Mesh | None = None) -> dict[str, object]:
+        """TPGPT's keyword arguments: what of this config the model itself needs; with cp > 1
+        and this rank's `mesh`, its CP group (`cp_group`) too."""
         cp = {"cp_strategy": self.cp_strategy, "cp_layout": self.cp_layout} if self.cp > 1 else {}
+        if cp and mesh is not None:
+            cp["cp_group"] = mesh.cp_group
         return {
             "sequence_parallel": self.sequence_parallel,
             "recompute": self.recompute,

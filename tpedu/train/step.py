@@ -76,6 +76,15 @@ def split_batch(batch: int, parallel: ParallelConfig) -> tuple[int, int]:
     return b, m
 
 
+def check_setup(config: GPTConfig, parallel: ParallelConfig, batch: int) -> int:
+    """Raise a ValueError naming the problem if one training step of `batch` sequences cannot
+    run so (as train would, before anything is built); returns the micro-batches per step."""
+    parallel.check(config)
+    _, m = split_batch(batch, parallel)
+    pipeline_schedule(parallel.schedule, m, parallel.pp, 0, parallel.chunks)
+    return m
+
+
 def stage_chunks(config: GPTConfig, parallel: ParallelConfig, mesh: Mesh, seed: int) -> list[TPGPT]:
     """This rank's model chunks on the device: its shards of the dense model that `seed`
     initialises, built without materialising it (tpedu.model.sharded_init). Chunk c holds the
@@ -83,7 +92,7 @@ def stage_chunks(config: GPTConfig, parallel: ParallelConfig, mesh: Mesh, seed: 
     pp, v = parallel.pp, parallel.chunks
     parts = stage_layers(config, pp * v, parallel.stage_split)
     mine = [parts[c * pp + mesh.pp_rank] for c in range(v)]
-    options = parallel.model_options() | ({"cp_group": mesh.cp_group} if parallel.cp > 1 else {})
+    options = parallel.model_options(mesh)
     return [c.to(device()) for c in build_sharded(config, mesh.tp_group, mine, seed, **options)]
 
 

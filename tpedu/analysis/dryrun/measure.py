@@ -33,20 +33,10 @@ from tpedu.parallel.config import ParallelConfig
 from tpedu.parallel.mesh import Mesh
 from tpedu.parallel.pipeline.runtime import build_stage_chunks
 from tpedu.parallel.pipeline.schedules import action_parts
-from tpedu.parallel.pipeline.schedules import schedule as pipeline_schedule
 from tpedu.parallel.zero import ShardedDataParallel
 from tpedu.train.config import TrainConfig
 from tpedu.train.loop import run_loop
-from tpedu.train.step import build_step, replica_mean, split_batch
-
-
-def check_setup(config: GPTConfig, parallel: ParallelConfig, batch: int) -> int:
-    """Raise a ValueError naming the problem if one training step of `batch` sequences cannot
-    run so (as train would); returns the micro-batches per step."""
-    parallel.check(config)
-    _, m = split_batch(batch, parallel)
-    pipeline_schedule(parallel.schedule, m, parallel.pp, 0, parallel.chunks)
-    return m
+from tpedu.train.step import build_step, check_setup, replica_mean
 
 
 def build_dense(config: GPTConfig, device: str | torch.device = "meta", seed: int = 0) -> DenseGPT:
@@ -219,13 +209,10 @@ def measure_rank(
     rank, world = dist.get_rank(), dist.get_world_size()
     with attention_as_on_device():
         mesh = Mesh(parallel.layout)
-        options = parallel.model_options() | (
-            {"cp_group": mesh.cp_group} if parallel.cp > 1 else {}
-        )
         # As train's stage_chunks builds this rank's part, on the meta device
         chunks = build_stage_chunks(
             dense, mesh.tp_group, mesh.pp_rank, parallel.pp, parallel.chunks,
-            parallel.stage_split, **options,
+            parallel.stage_split, **parallel.model_options(mesh),
         )  # fmt: skip
         stage = nn.ModuleList(chunks)
         train_step = build_step(chunks, mesh, parallel, cfg)  # as train builds it
