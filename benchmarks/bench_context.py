@@ -45,6 +45,7 @@ from tpedu.analysis.whatif import H100_SXM, long_context
 from tpedu.model.config import GPTConfig
 from tpedu.model.dense import DenseGPT
 from tpedu.model.gpt import TPGPT
+from tpedu.model.options import RunOptions
 
 # Small enough that s = 2048 steps in about a second on one core; the sequence is what grows.
 CONFIG = GPTConfig(512, seq_len=256, n_layers=2, hidden=64, n_heads=4, tie_embeddings=False)
@@ -118,9 +119,13 @@ def worker(seqs: list[int], reps: int, base: GPTConfig) -> list[dict]:
         models = {
             "TP": TPGPT(dense, full_tp),
             "TP expl": TPGPT(DenseGPT(config, fused_attention=False), full_tp),
-            "TP+SP": TPGPT(dense, full_tp, sequence_parallel=True),
-            "CP zigzag": TPGPT(dense, tp_group, cp_group=cp_group, cp_layout="zigzag"),
-            "CP contig": TPGPT(dense, tp_group, cp_group=cp_group, cp_layout="contiguous"),
+            "TP+SP": TPGPT(dense, full_tp, options=RunOptions(sequence_parallel=True)),
+            "CP zigzag": TPGPT(
+                dense, tp_group, options=RunOptions(cp_group=cp_group, cp_layout="zigzag")
+            ),
+            "CP contig": TPGPT(
+                dense, tp_group, options=RunOptions(cp_group=cp_group, cp_layout="contiguous")
+            ),
         }
         opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in models.items()}
         g = torch.Generator().manual_seed(1)

@@ -44,6 +44,7 @@ from tpedu.comm.collectives import CompletedWork
 from tpedu.model.config import GPTConfig
 from tpedu.model.dense import DenseGPT
 from tpedu.model.gpt import TPGPT
+from tpedu.model.options import RunOptions
 
 
 def copy_dense(gpt: GPT, dense: DenseGPT) -> None:
@@ -97,8 +98,8 @@ def worker(
     mesh = init_device_mesh("cpu", (tp,))
     torch.manual_seed(0)
     dense = DenseGPT(config, fused_attention=fused)
-    options = {"sequence_parallel": sp, "overlap_comm": overlap}
-    ours, floor = TPGPT(dense, None, **options), TPGPT(dense, None, **options)
+    options = RunOptions(sequence_parallel=sp, overlap_comm=overlap)
+    ours, floor = TPGPT(dense, None, options=options), TPGPT(dense, None, options=options)
     theirs = GPT(config, fused_attention=fused)
     copy_dense(theirs, dense)
     parallelize(theirs, mesh, sequence_parallel=sp)

@@ -49,8 +49,8 @@ def _compare_worker(nq, nkv, b, s, bias=True):
         yp = par(xp, step=3)
         (yp * w).sum().backward()
     out = {"fwd": _max(yp, yd), "dx": _max(xp.grad, xd.grad)}
-    out["dWo"] = _max(par.out_proj.dense_weight(grad=True), dense.out.weight.grad)
-    out["dbo"] = _max(par.out_proj.dense_bias(grad=True), dense.out.bias.grad) if bias else 0.0
+    out["dWo"] = _max(par.out.dense_weight(grad=True), dense.out.weight.grad)
+    out["dbo"] = _max(par.out.dense_bias(grad=True), dense.out.bias.grad) if bias else 0.0
     if par.kv_replicas > 1:  # before the sync a replica holds only its own q heads' share
         out["unsynced"] = _max(par.dense_qkv_weight(grad=True), dense.qkv.weight.grad)
     par.all_reduce_replicated_kv_grads()
@@ -158,8 +158,8 @@ def _naive_chunk_worker():
     right = _max(par(x), dense(x))
     t, r = torch.distributed.get_world_size(), torch.distributed.get_rank()
     with torch.no_grad():  # the classic bug: chunk the fused [q|k|v] rows like a plain column
-        par.qkv_weight.copy_(dense.qkv.weight.chunk(t)[r])
-        par.qkv_bias.copy_(dense.qkv.bias.chunk(t)[r])
+        par.qkv.weight.copy_(dense.qkv.weight.chunk(t)[r])
+        par.qkv.bias.copy_(dense.qkv.bias.chunk(t)[r])
     return right, _max(par(x), dense(x))
 
 

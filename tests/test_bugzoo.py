@@ -66,7 +66,7 @@ def test_patches_are_undone_and_names_checked():
             attention.split_qkv,
             attention.local_heads,
             attention.ParallelAttention.all_reduce_replicated_kv_grads,
-            mesh.Layout.tp_groups,
+            mesh.Layout.axis_groups,
             schedules.one_f_one_b,
             gpt.index_dropout,
             ring.merge_partials,
@@ -102,8 +102,9 @@ def test_the_naive_variants_are_the_documented_mistakes():
     assert torch.equal(attention.split_qkv(w, 2, 2, 2, 0), w[[0, 1, 4, 5, 8, 9]])
     layout = mesh.Layout(tp=2, pp=1, dp=2)
     with broken("seed_tp_groups"):
-        assert layout.tp_groups() == layout.dp_groups() == [[0, 2], [1, 3]]
-    assert layout.tp_groups() == [[0, 1], [2, 3]]
+        assert layout.axis_groups("tp") == layout.axis_groups("dp") == [[0, 2], [1, 3]]
+        assert layout.axis_groups("pp") == [[0], [1], [2], [3]]  # the other axes unchanged
+    assert layout.axis_groups("tp") == [[0, 1], [2, 3]]
     with broken("pipeline_warmup_reversed"):
         assert pipeline.schedule("1f1b", 2, 2, 0) == [("F", 0), ("B", 0), ("F", 1), ("B", 1)]
     assert pipeline.schedule("1f1b", 2, 2, 0) == [("F", 0), ("F", 1), ("B", 0), ("B", 1)]

@@ -237,7 +237,7 @@ def _save_twice_crash_second(root, crash):
 
         writer.write_synced = half  # the shard writer's own reference
     with torch.no_grad():
-        model.blocks[0].attn.qkv_weight.add_(1.0)
+        model.blocks[0].attn.qkv.weight.add_(1.0)
     checkpoint.save(root, model, None, 2)
 
 

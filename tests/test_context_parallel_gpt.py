@@ -14,6 +14,7 @@ import torch.distributed as dist
 from tpedu import launch
 from tpedu.cp.ring import split_sequence
 from tpedu.model import TPGPT, DenseGPT, GPTConfig
+from tpedu.model.options import RunOptions
 
 CONFIGS = {
     "gpt2": GPTConfig.gpt2_like(37, seq_len=16, n_layers=2, hidden=16, n_heads=4),
@@ -35,10 +36,9 @@ def _cp_vs_dense(name: str, tp: int, strategy: str, layout: str, recompute: str 
     model = TPGPT(
         dense,
         tp_group,
-        cp_group=cp_group,
-        cp_strategy=strategy,
-        cp_layout=layout,
-        recompute=recompute,
+        options=RunOptions(
+            cp_group=cp_group, cp_strategy=strategy, cp_layout=layout, recompute=recompute
+        ),
     )
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 37, (2, 16), generator=g)
@@ -77,10 +77,10 @@ def test_full_recompute_with_context_parallelism():
         assert loss < 1e-12 and grad < 1e-10
 
 
-def _refused(**kw):
+def _refused():
     g = dist.new_group([0, 1])
     config = GPTConfig.gpt2_like(37, seq_len=16, n_layers=1, hidden=16, n_heads=4, dropout=0.1)
-    TPGPT(DenseGPT(config), None, cp_group=g, **kw)
+    TPGPT(DenseGPT(config), None, options=RunOptions(cp_group=g))
 
 
 def test_dropout_with_context_parallelism_is_refused():

@@ -16,6 +16,7 @@ from tpedu.comm.tracer import CommTracer
 from tpedu.cp import balance, traffic
 from tpedu.cp.ring import chunk_positions, ring_attention, split_sequence
 from tpedu.model import TPGPT, DenseGPT, GPTConfig
+from tpedu.model.options import RunOptions
 
 
 @pytest.mark.parametrize("cp", [1, 2, 3, 4])
@@ -85,9 +86,9 @@ def _traced_gpt(tp: int, strategy: str, recompute: str = "none"):
     model = TPGPT(
         DenseGPT(CONFIG).double(),
         tp_groups[rank // tp],
-        cp_group=cp_groups[rank % tp],
-        cp_strategy=strategy,
-        recompute=recompute,
+        options=RunOptions(
+            cp_group=cp_groups[rank % tp], cp_strategy=strategy, recompute=recompute
+        ),
     )
     g = torch.Generator().manual_seed(1)
     ids, tgt = (torch.randint(0, 37, (2, 16), generator=g) for _ in range(2))

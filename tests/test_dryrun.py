@@ -377,9 +377,26 @@ def test_cli_rank_all(capfd):
         "all",
     )
     assert code == 0, err
-    rows = out.strip().splitlines()[2:]
+    *rows, footer = out.strip().splitlines()[2:]
     assert [int(r.split()[0]) for r in rows] == [0, 1, 2, 3]
     assert all(r.split()[-1] == "0" for r in rows)  # nothing unexplained on any rank
+    assert footer.startswith("measured 2 ranks (0, 2), one per (pp, cp) class")
+
+
+def test_one_rank_per_class_is_measured():
+    """Ranks that differ only in tp and dp rank take their class's figures (rank_class); that
+    they equal each rank's own is test_dry_run_equals_real_ranks, which measures every rank on
+    gloo. Here: which ranks are measured, and that the copies carry their own coordinates."""
+    parallel = ParallelConfig(2, 2, 2, cp=2, zero=1)  # 16 ranks: 2 stages × 2 CP ranks
+    runs = dryrun.dry_run(SMALL, parallel, 8, range(16))
+    assert [r.figures.rank for r in runs if r.measured_on is None] == [0, 2, 4, 6]
+    for run in runs:
+        f = run.figures
+        assert f.coords == parallel.layout.coords(f.rank)
+        if run.measured_on is not None:
+            rep = runs[run.measured_on].figures
+            assert dryrun.rank_class(parallel, f.rank) == dryrun.rank_class(parallel, rep.rank)
+            assert f.comparable() == rep.comparable()
 
 
 @pytest.mark.parametrize(

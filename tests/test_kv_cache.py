@@ -14,6 +14,7 @@ from tpedu.comm.tracer import CommTracer
 from tpedu.model.config import GPTConfig
 from tpedu.model.dense import DenseGPT
 from tpedu.model.gpt import TPGPT
+from tpedu.model.options import RunOptions
 from tpedu.serve.generate import decode_step, generate_batch, pick, prefill, stream
 from tpedu.tp.kv_cache import KVCache, check_cache_usable
 from tpedu.tp.vocab_parallel import gather_logits
@@ -243,7 +244,7 @@ def _refusals(config):
         lambda: model.train()(ids, cache=KVCache.for_model(model, 1)),
         lambda: model.eval()(ids, cache=KVCache.for_model(model, 2)),
         lambda: KVCache.for_model(model, 1, capacity=17),
-        lambda: TPGPT(DenseGPT(config), sequence_parallel=True).eval()(
+        lambda: TPGPT(DenseGPT(config), options=RunOptions(sequence_parallel=True)).eval()(
             ids[:, :2], cache=KVCache.for_model(model, 1)
         ),
         lambda: check_cache_usable(False, False, 2),

@@ -110,12 +110,18 @@ def test_parallel_mlp_matches_dense_with_dropout(t):
 
 def bad_mlps():
     errors = []
-    fc = torch.nn.Linear
+
+    def edited(activation: str = "gelu", **layers: torch.nn.Module | None) -> DenseMLP:
+        dense = DenseMLP(6, 8, activation)
+        for name, layer in layers.items():  # a dense MLP whose layers no longer chain
+            setattr(dense, name, layer)
+        return dense
+
     for make in (
-        lambda: ParallelMLP(fc(6, 10), fc(10, 6)),
-        lambda: ParallelMLP(fc(6, 8), fc(12, 6)),
-        lambda: ParallelMLP(fc(6, 8), fc(8, 6), activation="tanh"),
-        lambda: ParallelMLP(fc(6, 8), fc(8, 6), activation="swiglu"),
+        lambda: ParallelMLP(DenseMLP(6, 10)),
+        lambda: ParallelMLP(edited(fc2=torch.nn.Linear(12, 6))),
+        lambda: ParallelMLP(DenseMLP(6, 8, "tanh")),
+        lambda: ParallelMLP(edited("swiglu", up=None)),
     ):
         try:
             make()

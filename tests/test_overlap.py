@@ -5,6 +5,7 @@ import torch.distributed as dist
 
 from tpedu import launch
 from tpedu.comm.tracer import CommTracer
+from tpedu.model.options import RunOptions
 from tpedu.tp.layers import column_parallel_linear
 from tpedu.tp.overlap import linear_with_async_grad_all_reduce, record_events
 from tpedu.tp.sharding import shard
@@ -104,7 +105,7 @@ def _model_worker(activation):
     ids = torch.randint(0, 37, (3, 6), generator=torch.Generator().manual_seed(1))
     out = {}
     for overlap in (False, True):
-        model = TPGPT(dense, None, overlap_comm=overlap)
+        model = TPGPT(dense, None, options=RunOptions(overlap_comm=overlap))
         with record_events() as ev:
             loss = model(ids, ids)
             loss.backward()
@@ -114,7 +115,7 @@ def _model_worker(activation):
 
 
 def test_overlap_comm_in_the_model_is_bitwise_identical():
-    """TPGPT(..., overlap_comm=True): every f in front of a column-parallel matmul (QKV, fc1, the
+    """RunOptions(overlap_comm=True): every f in front of a column-parallel matmul (QKV, fc1, the
     head) issues its backward all-reduce asynchronously; losses and gradients are bitwise equal."""
     for activation, asyncs in (("gelu", 2 * 2 + 1), ("swiglu", 2 + 1)):  # SwiGLU keeps its f
         for r, out in enumerate(launch(_model_worker, 2, activation)):

@@ -11,6 +11,7 @@ import torch
 
 from tpedu import checkpoint, launch
 from tpedu.model import TPGPT, DenseGPT, GPTConfig
+from tpedu.model.options import RunOptions
 from tpedu.parallel.config import ParallelConfig
 
 CONFIG = GPTConfig.gpt2_like(37, seq_len=12, n_layers=2, hidden=16, n_heads=4)
@@ -49,11 +50,11 @@ def test_the_round_trip():
     p = ParallelConfig(2, 2, 2, schedule="gpipe", zero=1, overlap_comm=True)
     assert ParallelConfig.from_dict(p.to_dict()) == p
     assert p.world == 8 and p.layout.world == 8
-    assert p.model_options() == {
-        "sequence_parallel": False,
-        "recompute": "none",
-        "overlap_comm": True,
-    }
+    assert p.model_options() == RunOptions(overlap_comm=True)  # no mesh: no CP group
+    cp = ParallelConfig(2, cp=2, cp_layout="contiguous", recompute="full").model_options()
+    assert cp == RunOptions(recompute="full", cp_layout="contiguous") and cp.cp == 1
+    with pytest.raises(ValueError, match="cp_strategy must be one of"):
+        RunOptions(cp_strategy="star")
     with pytest.raises(ValueError, match=r"unknown ParallelConfig fields \['tensor'\]"):
         ParallelConfig.from_dict({"tensor": 2})
 
@@ -69,7 +70,7 @@ def test_the_model_config_holds_no_run_time_field():
 def _save_sp(root: str) -> None:
     torch.manual_seed(0)
     parallel = ParallelConfig(tp=2, sequence_parallel=True, recompute="selective")
-    model = TPGPT(DenseGPT(CONFIG), **parallel.model_options())
+    model = TPGPT(DenseGPT(CONFIG), options=parallel.model_options())
     checkpoint.save(root, model, None, 3, parallel=parallel)
 
 
@@ -97,6 +98,7 @@ def _save_mismatched(root: str) -> None:
 
 def test_save_refuses_a_parallel_config_that_is_not_the_models(tmp_path):
     with pytest.raises(
-        Exception, match=r"parallel says tp=4 .* the ranks run tp, pp, dp = \(2, 1, 1\)"
+        Exception,
+        match=r"parallel says Layout\(tp=4, .* the ranks run Layout\(tp=2, pp=1, dp=1, cp=1\)",
     ):
         launch(_save_mismatched, 2, str(tmp_path))

@@ -160,7 +160,7 @@ def check_against_dense(results, config, m, layout):
     ref_loss, ref = dense_grads(config, m)
     seen = {}
     for rank, (loss, grads, *_) in enumerate(results):
-        last = layout.coords(rank)[1] == layout.pp - 1
+        last = layout.coords(rank)["pp"] == layout.pp - 1
         assert (loss is not None) == last, (rank, loss)
         if last:
             assert loss == pytest.approx(ref_loss, rel=1e-12)

@@ -14,6 +14,7 @@ import torch
 
 from tpedu import launch
 from tpedu.model import TPGPT, DenseGPT, GPTConfig
+from tpedu.model.options import RunOptions
 from tpedu.model.sharded_init import build_sharded
 from tpedu.parallel.pipeline.schedules import stage_layers
 
@@ -30,9 +31,14 @@ def _compare(config: GPTConfig, pp: int, sequence_parallel: bool) -> dict:
     torch.manual_seed(7)
     dense = DenseGPT(config)
     parts = stage_layers(config, pp)
-    ref = [TPGPT(dense, layers=r, sequence_parallel=sequence_parallel) for r in parts]
+    ref = [
+        TPGPT(dense, layers=r, options=RunOptions(sequence_parallel=sequence_parallel))
+        for r in parts
+    ]
     next_ref = torch.rand(4)  # where the generator was left
-    got = build_sharded(config, None, parts, seed=7, sequence_parallel=sequence_parallel)
+    got = build_sharded(
+        config, None, parts, seed=7, options=RunOptions(sequence_parallel=sequence_parallel)
+    )
     next_got = torch.rand(4)
     differ = [
         f"stage {s} {n}"
@@ -94,9 +100,11 @@ def _from_dir(path: str, sequence_parallel: bool) -> list[str]:
 
     config = checkpoint_config(path)
     want = TPGPT.from_state_dict(
-        config, load_file(f"{path}/model.safetensors"), sequence_parallel=sequence_parallel
+        config,
+        load_file(f"{path}/model.safetensors"),
+        options=RunOptions(sequence_parallel=sequence_parallel),
     )
-    got = load_sharded_model(path, sequence_parallel=sequence_parallel)
+    got = load_sharded_model(path, options=RunOptions(sequence_parallel=sequence_parallel))
     return [
         n
         for (n, a), (_, b) in zip(want.named_parameters(), got.named_parameters(), strict=True)

@@ -9,7 +9,9 @@ from tpedu import launch
 from tpedu.model.config import GPTConfig
 from tpedu.model.dense import DenseGPT
 from tpedu.model.gpt import TPGPT
-from tpedu.model.state import param_kind, shard_map, split_tensor
+from tpedu.model.options import RunOptions
+from tpedu.model.plan import param_kind
+from tpedu.model.state import shard_map, split_tensor
 
 GPT2 = GPTConfig.gpt2_like(37, seq_len=8, n_layers=2, hidden=16, n_heads=4)
 # n_kv_heads=1: at tp 2 and 4 every rank holds a replica of the one KV head
@@ -59,7 +61,7 @@ def _walk(config: GPTConfig, pp: int, sequence_parallel: bool) -> list[tuple]:
     tp, rank = dist.get_world_size(), dist.get_rank()
     out = []
     for layers in stage_layers(config, pp):
-        model = TPGPT(dense, layers=layers, sequence_parallel=sequence_parallel)
+        model = TPGPT(dense, layers=layers, options=RunOptions(sequence_parallel=sequence_parallel))
         for e in shard_map(model):
             mine = split_tensor(state[e.name], e.stored_kind, tp, rank, config)
             same = mine.shape == e.param.shape and torch.equal(mine, e.param.detach())
@@ -112,3 +114,23 @@ def test_kv_heads_replicated_over_tp_count_once_in_the_gradient_norm():
     i = [r[0] for r in ranks[0]].index("blocks.0.attn.qkv.weight")
     rows_q, rows_kv, h = 4 // 4 * 4, 2 * 4, 16  # head_dim 4: 1 q head and 1 k, 1 v head per rank
     assert ranks[0][i][3] == pytest.approx((rows_q + rows_kv / 4) * h)
+
+
+@pytest.mark.parametrize("style", ["gpt2", "llama"])
+def test_the_offline_plan_is_read_from_the_modules(style, monkeypatch):
+    """param_kinds (no live model, no process group) gives the hand-written table; a module
+    that splits differently changes it: the modules are the one source."""
+    from tpedu.comm.collectives import this_rank_alone
+    from tpedu.model import plan
+    from tpedu.tp.layers import ColumnParallelLinear
+
+    config = GPT2 if style == "gpt2" else LLAMA
+    kinds = plan.param_kinds(config)
+    assert sorted(kinds) == sorted(DenseGPT(config).state_dict())  # TPGPT names are DenseGPT's
+    assert {n: kinds[n] for n in KINDS[style]} == KINDS[style]
+    with this_rank_alone() as group:
+        names = list(TPGPT(DenseGPT(config), group).state_dict())
+    assert names == list(DenseGPT(config).state_dict())
+    monkeypatch.setattr(plan, "_KINDS", {})
+    monkeypatch.setattr(ColumnParallelLinear, "shard_kinds", {"weight": "row", "bias": "row"})
+    assert plan.param_kind("blocks.0.mlp.fc1.weight", config) == "row"

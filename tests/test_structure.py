@@ -403,6 +403,37 @@ def test_a_long_function_says_why():
     assert not bad, f"functions over {LONG} lines without a reason:\n" + "\n".join(bad)
 
 
+MANY = 8  # parameters (self and cls not counted): past this, say why ("Many parameters because")
+
+
+def parameter_count(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    a = node.args
+    names = [x.arg for x in a.posonlyargs + a.args + a.kwonlyargs if x.arg not in ("self", "cls")]
+    return len(names) + (a.vararg is not None) + (a.kwarg is not None)
+
+
+def test_a_function_with_many_parameters_says_why():
+    """Options that belong together travel as one object (RunOptions, TrainStep); a function
+    that still takes many says why in its docstring (an __init__: in its class's)."""
+    bad = []
+    for path in modules().values():
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for owner in ast.walk(tree):
+            body = getattr(owner, "body", [])
+            for node in body if isinstance(body, list) else []:
+                if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    continue
+                docs = ast.get_docstring(node) or ""
+                if node.name == "__init__" and isinstance(owner, ast.ClassDef):
+                    docs += ast.get_docstring(owner) or ""
+                if parameter_count(node) > MANY and "Many parameters because" not in docs:
+                    bad.append(
+                        f"{path.relative_to(ROOT.parent)}:{node.lineno} {node.name}: "
+                        f"{parameter_count(node)}"
+                    )
+    assert not bad, f"functions with over {MANY} parameters without a reason:\n" + "\n".join(bad)
+
+
 def test_no_module_is_over_600_lines():
     """A module is one concept, read in one sitting; past 600 lines it is several."""
     sizes = {p: len(p.read_text(encoding="utf-8").splitlines()) for p in modules().values()}

@@ -62,11 +62,12 @@ def test_checkpoint_saved_with_cp_resumes_without(tmp_path):
 def test_mesh_order_is_tp_then_cp_then_pp_then_dp():
     lay = Layout(tp=2, pp=2, dp=2, cp=2)
     assert lay.world == 16
-    assert lay.tp_groups()[0] == [0, 1] and lay.cp_groups()[0] == [0, 2]
-    assert lay.pp_groups()[0] == [0, 4] and lay.dp_groups()[0] == [0, 8]
+    assert lay.axis_groups("tp")[0] == [0, 1] and lay.axis_groups("cp")[0] == [0, 2]
+    assert lay.axis_groups("pp")[0] == [0, 4] and lay.axis_groups("dp")[0] == [0, 8]
+    assert lay.coords(13) == {"tp": 1, "cp": 0, "pp": 1, "dp": 1}  # 13 = 1 + 2·(0 + 2·(1 + 2·1))
     for r in range(16):
-        t, p, d = lay.coords(r)
-        assert lay.rank(t, p, d, lay.cp_rank(r)) == r
+        assert lay.rank(**lay.coords(r)) == r
+    assert lay.group_names() == ("tp", "cp", "pp", "dp", "emb")
     assert Layout(2, 2, 2).groups() == {  # cp = 1: the 3D mesh as before
         "tp": [[0, 1], [2, 3], [4, 5], [6, 7]],
         "pp": [[0, 2], [1, 3], [4, 6], [5, 7]],

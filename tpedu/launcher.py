@@ -210,6 +210,9 @@ def launch(
     Tensors in a result are detached and moved to the CPU. Raises `RankError` if a rank raises or
     dies and `LaunchTimeout` if they do not all finish within `timeout` seconds; either way every
     rank has been killed and joined before the exception reaches you.
+
+    Many parameters because they are the launcher's own settings, each with a default, as
+    torchrun's flags are.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")

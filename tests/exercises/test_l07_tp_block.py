@@ -42,8 +42,8 @@ def _tp_grads(block: torch.nn.Module) -> dict[str, torch.Tensor]:
     attn, mlp = block.attn, block.mlp
     out["attn.qkv.weight"] = attn.dense_qkv_weight(grad=True)
     out["attn.qkv.bias"] = attn.dense_qkv_bias(grad=True)
-    out["attn.out.weight"] = attn.out_proj.dense_weight(grad=True)
-    out["attn.out.bias"] = attn.out_proj.dense_bias(grad=True)
+    out["attn.out.weight"] = attn.out.dense_weight(grad=True)
+    out["attn.out.bias"] = attn.out.dense_bias(grad=True)
     for name in ("fc1", "up", "fc2"):
         layer = getattr(mlp, name)
         if layer is not None:

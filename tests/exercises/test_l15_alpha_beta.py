@@ -21,6 +21,7 @@ from tpedu.course.grading import implementation
 from tpedu.model.config import GPTConfig
 from tpedu.model.dense import DenseGPT
 from tpedu.model.gpt import TPGPT
+from tpedu.model.options import RunOptions
 
 NAME = "l15_alpha_beta"
 ALPHA, BETA = 0.5, 0.25
@@ -105,7 +106,7 @@ def traced_sp_step():
     reduce-scatters and all-reduces)."""
     config = GPTConfig(64, seq_len=8, n_layers=1, hidden=16, n_heads=2)
     torch.manual_seed(0)
-    model = TPGPT(DenseGPT(config), None, sequence_parallel=True)
+    model = TPGPT(DenseGPT(config), None, options=RunOptions(sequence_parallel=True))
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
     with CommTracer() as t:
         model(ids, ids).backward()

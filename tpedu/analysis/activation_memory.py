@@ -53,6 +53,7 @@ from tpedu.analysis.shape import ModelShape
 from tpedu.model.config import GPTConfig
 from tpedu.model.dense import DenseBlock
 from tpedu.model.gpt import TPBlock
+from tpedu.model.options import RunOptions
 from tpedu.tp.sharding import divisors
 
 # torch.utils.checkpoint imports torch._dynamo on its first call: seconds. Importing it here, in
@@ -368,7 +369,8 @@ def measure_layer(
         device = rank_device()
     torch.manual_seed(0)
     config = layer_config(case)
-    block = TPBlock(DenseBlock(config, 0), group, case.sp, case.recompute).to(device, dtype)
+    options = RunOptions(sequence_parallel=case.sp, recompute=case.recompute)
+    block = TPBlock(DenseBlock(config, 0), group, options).to(device, dtype)
     block.train()
     s, b, h, _, _ = _symbols(case)
     s_local = s // t if case.sp else s

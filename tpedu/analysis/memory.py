@@ -201,6 +201,9 @@ def ledger(
       1F1B schedule stage 0 holds up to pp micro-batches, so the in-flight count is pp (this
       assumes at least pp micro-batches per step; pp = 1 gives 1). The embedding and logits
       activations are left out (the paper shows they are small next to L layers).
+
+    Many parameters because each is one variable of the memory formula (layout, SP, recompute,
+    ZeRO, bytes per value), set one by one as the calculator's widgets do.
     """
     check_parallel(config, tp, pp, dp)
     c = config

@@ -76,6 +76,8 @@ def gpt_params(
     Grouped-query attention: K and V have kv_heads · (h / heads) outputs each.
     bias=False drops every Linear bias and the LayerNorm biases (nanoGPT's convention).
     (Lesson 00's exercise; its arguments are the exercise's. `ModelShape.n_params` calls it.)
+
+    Many parameters because they are the closed form's own variables.
     """
     ffn_hidden = 4 * hidden if ffn_hidden is None else ffn_hidden
     heads = heads or 1

@@ -47,6 +47,7 @@ from tpedu.checkpoint.index import (
 )
 from tpedu.checkpoint.reader import load
 from tpedu.checkpoint.writer import save
+from tpedu.model.plan import param_kind
 from tpedu.model.state import (
     KINDS,
     dense_shapes,
@@ -54,7 +55,6 @@ from tpedu.model.state import (
     merge_qkv,
     merge_row,
     merge_shards,
-    param_kind,
     split_tensor,
 )
 

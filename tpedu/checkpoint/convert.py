@@ -38,10 +38,11 @@ from tpedu.data import tokenizer
 from tpedu.model.config import GPTConfig
 from tpedu.model.dense import DenseGPT
 from tpedu.model.gpt import TPGPT
+from tpedu.model.options import RunOptions
+from tpedu.model.plan import param_kind
 from tpedu.model.sharded_init import materialize
 from tpedu.model.state import (
     dense_shapes,
-    param_kind,
     shard_map,
     split_tensor,
 )
@@ -132,7 +133,7 @@ def write_sharded(
                 if stage_of(name, stages, pp) != p or (kind == "replicated" and t):
                     continue
                 out[key], kinds[key] = split_tensor(dense, kind, tp, t, config), kind
-            write_shard(tmp, (t, p, 0), out, kinds)
+            write_shard(tmp, parallel.layout.coords(parallel.layout.rank(tp=t, pp=p)), out, kinds)
     head = dict(header or {})
     head.update(
         {
@@ -303,13 +304,13 @@ def _runs(picked: list[int]) -> list[tuple[int, int, int]]:
 
 
 def load_sharded_model(
-    model_dir: str | Path, group: dist.ProcessGroup | None = None, **options: bool | str
+    model_dir: str | Path, group: dist.ProcessGroup | None = None, options: RunOptions | None = None
 ) -> TPGPT:
     """This rank's TPGPT of a dense model directory, built on the meta device and filled with
     `load_rank_slices`: the dense model is never in memory. `options`: TPGPT's."""
     config = check_model_dir(model_dir)
     with torch.device("meta"):
-        structure = TPGPT(DenseGPT(config), group, **options)
+        structure = TPGPT(DenseGPT(config), group, options=options)
     model = materialize(structure)
     load_rank_slices(model_dir, model)
     return model

@@ -28,6 +28,7 @@ from tpedu.checkpoint.hf_map import HFFiles
 from tpedu.model.config import GPTConfig
 from tpedu.model.dense import DenseGPT
 from tpedu.model.gpt import TPGPT
+from tpedu.model.options import RunOptions
 from tpedu.model.sharded_init import materialize
 
 __all__ = [
@@ -90,7 +91,7 @@ def load_hf_sharded(
     path: str | Path,
     group: dist.ProcessGroup | None = None,
     dtype: torch.dtype = torch.float32,
-    **options: bool | str,
+    options: RunOptions | None = None,
 ) -> TPGPT:
     """This rank's TPGPT of a Hugging Face GPT-2 or Llama `save_pretrained` directory
     (model.safetensors, or shards with model.safetensors.index.json), built on the meta device
@@ -103,7 +104,7 @@ def load_hf_sharded(
     table = module.table(config)
     with HFFiles(path, module.alias) as files:  # checks the files before building anything
         with torch.device("meta"):
-            structure = TPGPT(DenseGPT(config), group, **options).to(dtype)
+            structure = TPGPT(DenseGPT(config), group, options=options).to(dtype)
         model = materialize(structure)
         fill_rank_slices(model, lambda name: files.slice(table[name]))
     return model

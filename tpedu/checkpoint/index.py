@@ -68,6 +68,7 @@ from tpedu.checkpoint.files import (
 from tpedu.comm import collectives
 from tpedu.model.config import LEGACY, GPTConfig
 from tpedu.parallel.config import ParallelConfig
+from tpedu.parallel.mesh import CHECKPOINT_AXES
 from tpedu.parallel.pipeline.schedules import stage_layers
 
 # 2: the index keeps "model" (GPTConfig) and "parallel" (ParallelConfig) apart. tpedu 0.1 wrote
@@ -94,8 +95,11 @@ def step_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
-def shard_file(tp_rank: int, pp_rank: int, dp_rank: int) -> str:
-    return f"tp{tp_rank}-pp{pp_rank}-dp{dp_rank}.safetensors"
+def shard_file(coords: dict[str, int]) -> str:
+    """The file of the rank at `coords` ({axis: index}): "tp0-pp1-dp0.safetensors", named by
+    the axes whose ranks hold different tensors (`CHECKPOINT_AXES`; the dp index is the ZeRO
+    writer's)."""
+    return "-".join(f"{a}{coords[a]}" for a in CHECKPOINT_AXES) + ".safetensors"
 
 
 def agree(error: BaseException | None, what: str) -> None:
@@ -122,9 +126,7 @@ def layout_entry(parallel: ParallelConfig, config: GPTConfig) -> dict:
     interleaved schedule)."""
     stages = stage_layers(config, parallel.pp * parallel.chunks, parallel.stage_split)
     return {
-        "tp": parallel.tp,
-        "pp": parallel.pp,
-        "dp": parallel.dp,
+        **{a: getattr(parallel, a) for a in CHECKPOINT_AXES},
         "zero": parallel.zero,
         **({"chunks": parallel.chunks} if parallel.chunks > 1 else {}),  # absent: 1
         "stages": [[r.start, r.stop] for r in stages],

@@ -41,6 +41,7 @@ from tpedu.model.state import (
     shard_map,
 )
 from tpedu.parallel.config import ParallelConfig
+from tpedu.parallel.mesh import CHECKPOINT_AXES, Layout
 
 
 def prepare_step(root: Path, step: int) -> Path:
@@ -54,16 +55,12 @@ def prepare_step(root: Path, step: int) -> Path:
 
 
 def write_shard(
-    tmp: Path, coords: tuple[int, int, int], tensors: dict[str, torch.Tensor], kinds: dict[str, str]
+    tmp: Path, coords: dict[str, int], tensors: dict[str, torch.Tensor], kinds: dict[str, str]
 ) -> None:
-    meta = {
-        "tp_rank": str(coords[0]),
-        "pp_rank": str(coords[1]),
-        "dp_rank": str(coords[2]),
-        "kinds": json.dumps(kinds),
-    }
+    """Write this rank's file (`shard_file(coords)`), its coordinates and kinds as metadata."""
+    meta = {f"{a}_rank": str(coords[a]) for a in CHECKPOINT_AXES} | {"kinds": json.dumps(kinds)}
     data = safetensors_bytes({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, meta)
-    write_synced(tmp / shard_file(*coords), data)
+    write_synced(tmp / shard_file(coords), data)
 
 
 def finalize_step(root: Path, tmp: Path, step: int, header: dict, tok: object | None) -> Path:
@@ -179,27 +176,27 @@ def save(
     LossScaler, whose state the index keeps ("loss_scaler"). Returns root/step_N.
     3 tiny all-reduces (barriers that also carry failures: one rank's error makes every rank
     raise, and `latest` does not move).
+
+    Many parameters because a checkpoint holds that many separate things (model, optimizer,
+    step, layout, train config, tokenizer, loss scaler); past the first four all are optional.
     """
     root = Path(root)
     chunks = [model] if isinstance(model, nn.Module) else list(model)
     config = chunks[0].config
-    if mesh is None:
-        coords = (dist.get_rank(chunks[0].group), 0, 0)
-        layout = (dist.get_world_size(chunks[0].group), 1, 1)
-        cp_rank = dist.get_rank(chunks[0].cp_group) if chunks[0].cp > 1 else 0
+    if mesh is None:  # one TP (and CP) group
+        cp = chunks[0].cp_group if chunks[0].cp > 1 else None
+        layout = Layout(tp=dist.get_world_size(chunks[0].group), cp=chunks[0].cp)
+        cp_rank = dist.get_rank(cp) if cp is not None else 0
+        coords = layout.coords(layout.rank(tp=dist.get_rank(chunks[0].group), cp=cp_rank))
     else:
-        coords = (mesh.tp_rank, mesh.pp_rank, mesh.dp_rank)
-        layout = (mesh.layout.tp, mesh.layout.pp, mesh.layout.dp)
-        cp_rank = mesh.cp_rank
+        layout, coords = mesh.layout, mesh.coords
     if parallel is None:
-        tp, pp, dp = layout
         sp = chunks[0].sequence_parallel
-        parallel = ParallelConfig(tp, pp, dp, chunks=len(chunks), sequence_parallel=sp)
-    if (parallel.tp, parallel.pp, parallel.dp, parallel.chunks) != (*layout, len(chunks)):
+        parallel = ParallelConfig(**layout.sizes, chunks=len(chunks), sequence_parallel=sp)
+    if parallel.layout != layout or parallel.chunks != len(chunks):
         raise ValueError(
-            f"parallel says tp={parallel.tp} pp={parallel.pp} dp={parallel.dp} "
-            f"chunks={parallel.chunks}, the ranks run tp, pp, dp = {layout} with {len(chunks)} "
-            "chunks; pass the ParallelConfig the model was built with"
+            f"parallel says {parallel.layout} with chunks={parallel.chunks}, the ranks run "
+            f"{layout} with {len(chunks)} chunks; pass the ParallelConfig the model was built with"
         )
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     tmp = Path(root) / f".tmp-{step_name(step)}"
@@ -211,9 +208,9 @@ def save(
         error = e
     agree(error, f"preparing {tmp}")
     try:
-        dp_size = layout[2] if parallel.zero else 1  # how many dp ranks write optimizer state
+        dp_size = layout.dp if parallel.zero else 1  # how many dp ranks write optimizer state
         tensors, kinds = _rank_tensors(chunks, opt, coords, dp_size)
-        if tensors and cp_rank == 0:  # CP ranks hold the same shards, as replicas do
+        if tensors and coords["cp"] == 0:  # CP ranks hold the same shards, as replicas do
             write_shard(tmp, coords, tensors, kinds)
     except Exception as e:  # reported to every rank by agree
         error = e
@@ -232,13 +229,13 @@ def save(
 
 
 def _rank_tensors(
-    chunks: list[TPGPT], opt: object | None, coords: tuple[int, int, int], dp_size: int
+    chunks: list[TPGPT], opt: object | None, coords: dict[str, int], dp_size: int
 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """What this rank writes: the tensors `state_writers` gives its dp rank of `dp_size` (1, no
     ZeRO: dp rank 0 writes them all), each with the optimizer state it holds; replicated ones
     by tp rank 0 only. ZeRO (an `opt` with `whole_tensors`) hands them over whole from its
     shards, one buffer at a time: collective over DP."""
-    tp_rank, _, dp_rank = coords
+    tp_rank, dp_rank = coords["tp"], coords["dp"]
     entries = [
         e
         for e in shard_map(chunks)

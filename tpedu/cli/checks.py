@@ -21,6 +21,7 @@ from tpedu.cli.parser import TP_COMMANDS
 from tpedu.launcher import under_torchrun
 from tpedu.model.config import GPTConfig
 from tpedu.parallel.config import ParallelConfig
+from tpedu.parallel.mesh import AXIS_NAMES
 
 
 def fail(message: str) -> NoReturn:
@@ -50,10 +51,11 @@ def check_ranks(args: argparse.Namespace) -> None:
     n = ranks(args)
     if n < 1:
         fail(f"{flag} must be at least 1, got {n}")
-    for name in ("pp", "dp", "cp"):  # train's layout: tp·cp·pp·dp ranks
-        if getattr(args, name, 1) < 1:
-            fail(f"--{name} must be at least 1, got {getattr(args, name)}")
-    others = getattr(args, "pp", 1) * getattr(args, "dp", 1) * getattr(args, "cp", 1)
+    sizes = {a: getattr(args, a, 1) for a in AXIS_NAMES if a != "tp"}  # train's layout
+    for name, size in sizes.items():
+        if size < 1:
+            fail(f"--{name} must be at least 1, got {size}")
+    others = math.prod(sizes.values())
     if args.backend == "nccl":  # one GPU per rank on this machine
         gpus = torch.cuda.device_count()
         here = (
@@ -69,12 +71,13 @@ def check_ranks(args: argparse.Namespace) -> None:
     if under_torchrun():
         world = int(os.environ["WORLD_SIZE"])
         if flag == "--tp" and others > 1 and n * others != world:
+            used = {
+                a: k for a, k in ({"tp": n} | sizes).items() if k > 1 or a in ("tp", "pp", "dp")
+            }
             fail(
-                f"--tp {n} × --pp {args.pp} × --dp {args.dp}"
-                + (f" × --cp {args.cp}" if getattr(args, "cp", 1) > 1 else "")
-                + f" = {n * others} ranks does not "
-                f"match torchrun's world size {world}; choose tp·pp·dp = {world} or start "
-                f"{n * others} processes"
+                " × ".join(f"--{a} {k}" for a, k in used.items())
+                + f" = {n * others} ranks does not match torchrun's world size {world}; choose "
+                f"{'·'.join(used)} = {world} or start {n * others} processes"
             )
         if flag == "--tp" and others == 1 and n != world:
             fail(

@@ -13,7 +13,8 @@ from tpedu.cp.ring import LAYOUTS as CP_LAYOUTS
 from tpedu.data.tokenizer import KINDS as TOKENIZERS
 from tpedu.launcher import BACKENDS
 from tpedu.model.config import RECOMPUTE
-from tpedu.parallel.config import CP_STRATEGIES, SCHEDULES, STAGE_SPLITS, ZERO_LEVELS
+from tpedu.model.options import CP_STRATEGIES
+from tpedu.parallel.config import SCHEDULES, STAGE_SPLITS, ZERO_LEVELS
 from tpedu.train.config import REDUCE_DTYPES
 from tpedu.train.precision import DTYPES
 

@@ -52,6 +52,22 @@ def group_names_kept() -> Iterator[None]:
         _group_names.update(before)
 
 
+@contextlib.contextmanager
+def this_rank_alone() -> Iterator[dist.ProcessGroup]:
+    """A process group of this process only, to build a model's structure without talking to
+    anyone: in a launched rank, a group of just this rank (created by it alone, no collective);
+    elsewhere, a one-rank gloo world for the block, torn down after."""
+    if dist.is_initialized():
+        yield dist.new_group([dist.get_rank()], use_local_synchronization=True)
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with group_names_kept():
+            yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
 def _trace(op: str, x: torch.Tensor, group: dist.ProcessGroup | None, numel: int) -> None:
     tracer.record(op, group_name(group), dist.get_world_size(group), numel, x.element_size())
 

@@ -83,9 +83,9 @@ def _curve_text(config: object, group: object = None, label: str = "") -> str:
     return "\n".join(f"{a:<30}" + " ".join(b) for a, b in rows)
 
 
-def _bad_rows(config: object, group: object = None, **options: bool) -> str:
+def _bad_rows(config: object, group: object = None) -> str:
     ids, tgt = bugzoo.example_batch(config)
-    cmp = compare_with_dense(config, group, ids, tgt, **options)
+    cmp = compare_with_dense(config, group, ids, tgt)
     return "compare_with_dense, rows above the tolerance only:\n" + cmp.table(only_bad=True)
 
 
@@ -170,6 +170,7 @@ def _nothing() -> str:
 
 
 _local_heads = attention.local_heads  # the original: the case patches attention.local_heads
+_axis_groups = mesh.Layout.axis_groups  # ... and this one Layout.axis_groups (TP only)
 
 
 def _kv_from(fix: Callable) -> Callable:
@@ -181,10 +182,12 @@ def _kv_from(fix: Callable) -> Callable:
 
 
 def _groups_from(fix: Callable) -> Callable:
-    def tp_groups(self: mesh.Layout) -> list[list[int]]:
+    def axis_groups(self: mesh.Layout, axis: str) -> list[list[int]]:
+        if axis != "tp":
+            return _axis_groups(self, axis)
         return fix(self.world, self.tp, self.pp)
 
-    return tp_groups
+    return axis_groups
 
 
 TP_FILES = "tpedu/tp/operators.py, tpedu/tp/layers.py, tpedu/tp/vocab_parallel.py"
@@ -218,7 +221,7 @@ CASES: list[Case] = [
     Case(
         "seed_tp_groups",
         "tp_groups",
-        lambda fix: bugzoo.patched(mesh.Layout, "tp_groups", _groups_from(fix)),
+        lambda fix: bugzoo.patched(mesh.Layout, "axis_groups", _groups_from(fix)),
         _see_mesh,
         "The same 4 ranks are laid out as tp 4 × dp 1, then as tp 2 × dp 2 with two batches.",
         "tpedu/parallel/mesh.py (the layout and its process groups)",

@@ -29,6 +29,7 @@ from tpedu.comm.device import device
 from tpedu.course.claims import within
 from tpedu.model.dense import DenseGPT
 from tpedu.model.gpt import TPGPT
+from tpedu.model.options import RunOptions
 
 # float64: a correct TP model differs from dense only by reordered sums (~1e-16 relative per
 # operation, ~1e-15 after a few layers); a bug changes results at the 1e-3..1 level.
@@ -103,19 +104,22 @@ def compare_with_dense(
     training: bool = False,
     seed: int = 0,
     dtype: torch.dtype = torch.float64,
-    **options: bool | str,
+    options: RunOptions | None = None,
 ) -> Comparison:
     """One forward+backward of DenseGPT and TPGPT (built from it) on the same batch; compare.
 
     Collective: call on every rank of `group`. ids, targets [b, s], the same on the group's
     ranks. `training=True` turns dropout on (the TP masks must equal the dense ones);
-    `options` are TPGPT's (e.g. sequence_parallel=True). Runs
+    `options`: TPGPT's (e.g. RunOptions(sequence_parallel=True)). Runs
     `sync_grads()` as a training step does, then gathers the TP gradients into the dense layout
     (all-gathers) and compares each parameter's gradient with the dense one.
+
+    Many parameters because the batch, step, dropout, seed, dtype and run options are the
+    comparison's own variables.
     """
     torch.manual_seed(seed)
     dense = DenseGPT(config).to(dtype)
-    model = TPGPT(dense, group, **options).to(dtype)
+    model = TPGPT(dense, group, options=options).to(dtype)
     dense.train(training)
     model.train(training)
     dev = device()  # built on the CPU (same init on every rank), run on this rank's device

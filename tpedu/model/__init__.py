@@ -10,11 +10,15 @@
     state         the shard map: how every parameter is split and replicated, with the one set of
                   split and merge rules (lesson 14, used from lesson 07 on)
 
-GPTConfig, DenseGPT and TPGPT are re-exported here: `from tpedu.model import TPGPT`.
+    options       RunOptions: how TPGPT runs (sequence parallelism, recomputation, overlap,
+                  context parallelism), never what it computes (lessons 08–15)
+
+GPTConfig, DenseGPT, TPGPT and RunOptions are re-exported here: `from tpedu.model import TPGPT`.
 """
 
 from tpedu.model.config import GPTConfig
 from tpedu.model.dense import DenseGPT
 from tpedu.model.gpt import TPGPT
+from tpedu.model.options import RunOptions
 
-__all__ = ["DenseGPT", "GPTConfig", "TPGPT"]
+__all__ = ["DenseGPT", "GPTConfig", "RunOptions", "TPGPT"]

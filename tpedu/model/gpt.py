@@ -12,8 +12,9 @@ Per transformer block, tensor parallelism costs exactly (b·s·H elements each):
 plus, with a vocab-parallel embedding and loss: 1 all-reduce forward for the embedding, 1
 backward for the LM head's input, and 3 small all-reduces (b·s elements) in the loss.
 
-How the model runs is given to TPGPT as keyword arguments (tpedu.parallel.config.ParallelConfig's
-`model_options()`), never stored in the GPTConfig. `sequence_parallel` (lesson 08): between the
+How the model runs is given to TPGPT as one `RunOptions` (tpedu.model.options; a training run's
+comes from tpedu.parallel.config.ParallelConfig's `model_options()`), never stored in the
+GPTConfig. `sequence_parallel` (lesson 08): between the
 TP regions every rank keeps only its s/t positions; each all-reduce becomes a reduce-scatter
 (forward) and each f an all-gather, see tpedu/tp/sequence_parallel.py. `sync_grads()` then also
 sums the gradients of the replicated parameters that saw only a sequence shard. `recompute`
@@ -38,9 +39,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from tpedu.comm import collectives, tracer
-from tpedu.cp.ring import LAYOUTS, chunk_positions, ring_attention, split_sequence
+from tpedu.cp.ring import chunk_positions, ring_attention, split_sequence
 from tpedu.cp.ulysses import check_ulysses_heads, ulysses_attention
-from tpedu.model.config import RECOMPUTE, GPTConfig
+from tpedu.model.config import GPTConfig
 from tpedu.model.dense import (
     ATTENTION_OUTPUT_DROPOUT_SITE,
     EMBEDDING_DROPOUT_SITE,
@@ -48,6 +49,7 @@ from tpedu.model.dense import (
     DenseGPT,
     embed,
 )
+from tpedu.model.options import RunOptions
 from tpedu.model.state import merge_shards, shard_map
 from tpedu.tp.attention import ParallelAttention
 from tpedu.tp.dropout import derive_seed, index_dropout
@@ -100,15 +102,14 @@ def all_reduce_context_parallel_grads(
             collectives.all_reduce(p.grad, group)
 
 
+CP_ATTENTION = {"ring": ring_attention, "ulysses": ulysses_attention}  # RunOptions.cp_strategy
+
+
 def check_context_parallel(
-    config: GPTConfig, sequence_parallel: bool, strategy: str, layout: str, tp: int, cp: int
+    config: GPTConfig, sequence_parallel: bool, strategy: str, tp: int, cp: int
 ) -> None:
     """Raise a ValueError for what context parallelism cannot run (before any forward; also
     ParallelConfig.check's)."""
-    if strategy not in ("ring", "ulysses"):
-        raise ValueError(f"cp_strategy must be 'ring' or 'ulysses', got {strategy!r}")
-    if layout not in LAYOUTS:
-        raise ValueError(f"cp_layout must be one of {LAYOUTS}, got {layout!r}")
     if config.dropout > 0:
         raise ValueError(
             "context parallelism with dropout > 0 is not supported: the masks are drawn from "
@@ -130,36 +131,34 @@ class TPBlock(nn.Module):
     """
 
     def __init__(
-        self,
-        dense: DenseBlock,
-        group: dist.ProcessGroup | None,
-        sequence_parallel: bool = False,
-        recompute: str = "none",
-        overlap_comm: bool = False,
+        self, dense: DenseBlock, group: dist.ProcessGroup | None, options: RunOptions | None = None
     ) -> None:
         super().__init__()
-        if recompute not in RECOMPUTE:
-            raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
+        options = options or RunOptions()
         self.seed, self.p, self.group = dense.seed, dense.p, group
-        self.sequence_parallel, self.recompute = sequence_parallel, recompute
+        sequence_parallel, self.recompute = options.sequence_parallel, options.recompute
+        self.sequence_parallel = sequence_parallel
         # Replicated: the same on every rank (copies: the TP model must not share the dense one's).
         self.norm1, self.norm2 = copy.deepcopy(dense.norm1), copy.deepcopy(dense.norm2)
+        cp = options.cp > 1
         self.attn = ParallelAttention.from_dense(
             dense.attn,
             group,
             sequence_parallel=sequence_parallel,
-            recompute_core=recompute == "selective",
+            recompute_core=options.recompute == "selective",
+            overlap_comm=options.overlap_comm,
+            cp_group=options.cp_group if cp else None,
+            cp_attention=CP_ATTENTION[options.cp_strategy] if cp else None,
         )
-        self.mlp = ParallelMLP.from_dense(dense.mlp, group, sequence_parallel=sequence_parallel)
-        # Bitwise the same results; only the backward's timeline changes (SwiGLU's shared f and
-        # sequence parallelism keep their own paths).
-        self.attn.async_grad_all_reduce = self.mlp.fc1.async_grad_all_reduce = overlap_comm
+        self.mlp = ParallelMLP.from_dense(
+            dense.mlp, group, sequence_parallel=sequence_parallel, overlap_comm=options.overlap_comm
+        )
         if sequence_parallel:
             mark_sequence_parallel(
                 [
                     *self.norm1.parameters(),
                     *self.norm2.parameters(),
-                    self.attn.out_proj.bias,
+                    self.attn.out.bias,
                     self.mlp.fc2.bias,
                 ]
             )
@@ -215,28 +214,20 @@ class TPGPT(nn.Module):
         dense: DenseGPT,
         group: dist.ProcessGroup | None = None,
         layers: range | None = None,
-        *,
-        sequence_parallel: bool = False,
-        recompute: str = "none",
-        overlap_comm: bool = False,
-        cp_group: dist.ProcessGroup | None = None,
-        cp_strategy: str = "ring",
-        cp_layout: str = "zigzag",
+        options: RunOptions | None = None,
     ) -> None:
         super().__init__()
-        config = dense.config
-        self.config, self.group = config, group
+        config, options = dense.config, options or RunOptions()
+        self.config, self.group, self.options = config, group, options
         self.tp = dist.get_world_size(group)
-        self.sequence_parallel, self.overlap_comm = sequence_parallel, overlap_comm
+        sequence_parallel = self.sequence_parallel = options.sequence_parallel
         config.check(self.tp)
         if sequence_parallel:  # the batch's own s is checked again at run time
             check_sequence_length(config.seq_len, self.tp)
-        self.cp_group, self.cp_layout = cp_group, cp_layout
-        self.cp = dist.get_world_size(cp_group) if cp_group is not None else 1
+        self.cp, self.cp_layout = options.cp, options.cp_layout
+        self.cp_group = options.cp_group if self.cp > 1 else None
         if self.cp > 1:
-            check_context_parallel(
-                config, sequence_parallel, cp_strategy, cp_layout, self.tp, self.cp
-            )
+            check_context_parallel(config, sequence_parallel, options.cp_strategy, self.tp, self.cp)
         layers = range(config.n_layers) if layers is None else layers
         if not (0 <= layers.start <= layers.stop <= config.n_layers and layers.step == 1):
             raise ValueError(
@@ -251,10 +242,7 @@ class TPGPT(nn.Module):
 
         self.tok_emb = table(dense.tok_emb.weight) if self.first else None
         self.pos_emb = copy.deepcopy(dense.pos_emb) if self.first else None  # replicated
-        self.blocks = nn.ModuleList(
-            TPBlock(dense.blocks[i], group, sequence_parallel, recompute, overlap_comm)
-            for i in layers
-        )
+        self.blocks = nn.ModuleList(TPBlock(dense.blocks[i], group, options) for i in layers)
         self.norm_f = copy.deepcopy(dense.norm_f) if self.last else None
         self.lm_head = None
         if self.last and dense.lm_head is not None:  # an untied head is split like the embedding
@@ -264,10 +252,6 @@ class TPGPT(nn.Module):
         if sequence_parallel:  # replicated, but each rank feeds them its positions only
             for m in (self.pos_emb, self.norm_f):
                 mark_sequence_parallel(m.parameters() if m is not None else [])
-        if self.cp > 1:
-            attention = ring_attention if cp_strategy == "ring" else ulysses_attention
-            for block in self.blocks:
-                block.attn.cp_group, block.attn.cp_attention = cp_group, attention
         self._copies = self._count_copies()
 
     @classmethod
@@ -276,13 +260,12 @@ class TPGPT(nn.Module):
         config: GPTConfig,
         state: dict[str, torch.Tensor],
         group: dist.ProcessGroup | None = None,
-        **options: bool | str,
+        options: RunOptions | None = None,
     ) -> TPGPT:
-        """Shard a dense state dict (e.g. loaded from disk, the same on every rank); `options`
-        are TPGPT's keyword arguments."""
+        """Shard a dense state dict (e.g. loaded from disk, the same on every rank)."""
         dense = DenseGPT(config)
         dense.load_state_dict(state)
-        return cls(dense, group, **options)
+        return cls(dense, group, options=options)
 
     def forward(
         self,
@@ -344,7 +327,7 @@ class TPGPT(nn.Module):
             logits = all_gather_linear(h, [head.weight], [None], self.group)[0]  # [b, s, Vp/t]
         else:
             logits = column_parallel_linear(
-                h, head.weight, None, self.group, async_grad_all_reduce=self.overlap_comm
+                h, head.weight, None, self.group, async_grad_all_reduce=self.options.overlap_comm
             )
         if targets is None:
             return logits

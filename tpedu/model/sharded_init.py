@@ -35,7 +35,8 @@ from torch import nn
 from tpedu.model.config import GPTConfig
 from tpedu.model.dense import INIT_TYPES, DenseGPT, init_weights
 from tpedu.model.gpt import TPGPT
-from tpedu.model.state import param_kind, shard_map, split_tensor
+from tpedu.model.options import RunOptions
+from tpedu.model.state import shard_map, split_tensor
 from tpedu.tp.sequence_parallel import mark_sequence_parallel
 
 try:  # glibc only (Linux): elsewhere the allocator decides
@@ -51,20 +52,19 @@ def build_sharded(
     layers: Sequence[range] | None = None,
     seed: int = 0,
     fused_attention: bool = True,
-    **options: bool | str,
+    options: RunOptions | None = None,
 ) -> list[TPGPT]:
     """This rank's TPGPT chunks on the CPU, one per range in `layers` (None: one chunk of every
     layer), with exactly the values of `torch.manual_seed(seed); TPGPT(DenseGPT(config), group,
-    layers=r, **options)`, without building the dense model. `options`: TPGPT's keyword
-    arguments. No communication."""
+    r, options)`, without building the dense model. No communication."""
     with torch.device("meta"):
         dense = DenseGPT(config, fused_attention=fused_attention)
-        chunks = [TPGPT(dense, group, layers=r, **options) for r in layers or [None]]
+        chunks = [TPGPT(dense, group, r, options) for r in layers or [None]]
     for chunk in chunks:
         materialize(chunk)
-    targets: dict[str, list[nn.Parameter]] = {}
+    targets: dict[str, list[tuple[nn.Parameter, str]]] = {}
     for e in shard_map(chunks):  # a tied embedding's two copies share one dense name
-        targets.setdefault(e.name, []).append(e.param)
+        targets.setdefault(e.name, []).append((e.param, e.stored_kind))
     tp = dist.get_world_size(group) if dist.is_initialized() else 1
     rank = dist.get_rank(group) if dist.is_initialized() else 0
     leaves = [
@@ -83,8 +83,8 @@ def build_sharded(
             init_weights(scratch)
             for pname, value in scratch.named_parameters(recurse=False):
                 key = f"{name}.{pname}"
-                for p in targets.get(key, []):
-                    p.copy_(split_tensor(value, param_kind(key, config), tp, rank, config))
+                for p, kind in targets.get(key, []):
+                    p.copy_(split_tensor(value, kind, tp, rank, config))
         del scratch, value
         _release_freed_memory()
     return chunks

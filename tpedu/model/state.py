@@ -13,9 +13,14 @@ split and merge rules they all use.
     replicated  any                   all of it                             t
     sequence    any                   all of it, but fed s/t positions      t (gradient summed)
 
-`PLAN` says which dense module is split in which style (torchtitan's parallelize plan, as data);
-every other parameter is replicated. A new way of splitting is a new kind here and a `PLAN`
-entry: the gather, the norm, the checkpoints and the reshard follow.
+How a parameter is split is said once, by the tensor-parallel module that holds it: its class's
+`shard_kinds` (ColumnParallelLinear {"weight": "column", "bias": "column"}, RowParallelLinear,
+VocabParallelEmbedding, the attention's FusedQKV); a parameter of any other module (norms,
+learned positions, a replicated embedding) is replicated. TPGPT's parameters carry DenseGPT's
+names, so the shard map reads each one's kind off its module, and `tpedu.model.plan` reads the
+same off a TPGPT built on the meta device when there is no live model (offline resharding). A
+new way of splitting is a new kind here and a module that declares it: the gather, the norm,
+the checkpoints and the reshard follow.
 
 The classic converter bug is to treat fused QKV as column-parallel: concatenating the shards
 gives | q0 q1 k0 v0 | q2 q3 k1 v1 |, not | q0 q1 q2 q3 | k0 k1 | v0 v1 |. Merging must put each
@@ -27,7 +32,6 @@ exactly the model built at the new tp.
 
 from __future__ import annotations
 
-import fnmatch
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -66,42 +70,6 @@ def merge_qkv(shards: list[torch.Tensor], n_heads: int, n_kv_heads: int) -> torc
 
 KINDS = ("replicated", "sequence", "column", "row", "qkv", "vocab")
 
-# dense module -> its split style; a style's parameters -> their kinds (biases of a row-parallel
-# layer are added after the sum: replicated).
-PLAN = {
-    "tok_emb": "vocab",
-    "lm_head": "vocab",
-    "blocks.*.attn.qkv": "qkv",
-    "blocks.*.attn.out": "row",
-    "blocks.*.mlp.fc1": "column",
-    "blocks.*.mlp.up": "column",
-    "blocks.*.mlp.fc2": "row",
-}
-STYLES = {
-    "vocab": {"weight": "vocab"},
-    "qkv": {"weight": "qkv", "bias": "qkv"},
-    "column": {"weight": "column", "bias": "column"},
-    "row": {"weight": "row", "bias": "replicated"},
-}
-# TPGPT's parameter names that differ from DenseGPT's (blocks are renumbered apart)
-LOCAL_TO_DENSE = {
-    "attn.out_proj.": "attn.out.",
-    "attn.qkv_weight": "attn.qkv.weight",
-    "attn.qkv_bias": "attn.qkv.bias",
-}
-
-
-def param_kind(name: str, config: GPTConfig) -> str:
-    """How the dense tensor `name` (a DenseGPT state-dict key) is split over TP, from `PLAN`.
-    Stored kinds only: "sequence" is a layout choice (the shard map marks it on a live model)."""
-    module, _, param = name.rpartition(".")
-    for pattern, style in PLAN.items():
-        if fnmatch.fnmatchcase(module, pattern):
-            if style == "vocab" and not config.vocab_parallel:
-                return "replicated"  # the seeds' start: every rank keeps the whole table
-            return STYLES[style].get(param, "replicated")
-    return "replicated"  # norms, learned positions
-
 
 @dataclass(frozen=True)
 class Shard:
@@ -121,12 +89,11 @@ class Shard:
 
 
 def dense_name(local: str, layer_ids: Sequence[int], tied: bool) -> tuple[str, bool]:
-    """(DenseGPT's name, is_tied_copy) of the TPGPT parameter `local`."""
+    """(DenseGPT's name, is_tied_copy) of the TPGPT parameter `local`: the same name, with a
+    pipeline stage's blocks numbered as in the whole model."""
     if local.startswith("blocks."):
         _, j, rest = local.split(".", 2)
         local = f"blocks.{layer_ids[int(j)]}.{rest}"
-    for mine, dense in LOCAL_TO_DENSE.items():
-        local = local.replace(mine, dense)
     if local == "lm_head.weight" and tied:
         return "tok_emb.weight", True
     return local, False
@@ -143,13 +110,13 @@ def shard_map(model: nn.Module | Sequence[nn.Module]) -> list[Shard]:
         modules = dict(m.named_modules())
         for local, p in m.named_parameters():
             name, tied = dense_name(local, m.layer_ids, config.tie_embeddings)
-            kind = param_kind(name, config)
+            owner, _, pname = local.rpartition(".")
+            kind = getattr(modules[owner], "shard_kinds", {}).get(pname, "replicated")
             if kind == "replicated" and getattr(p, "sequence_parallel", False):
                 kind = "sequence"
             copies: float | torch.Tensor = float(tp) if kind in ("replicated", "sequence") else 1.0
             if kind == "qkv":
-                attn = modules[local.rpartition(".")[0]]
-                rows = attn.qkv_copies().to(p.device)
+                rows = modules[owner].copies().to(p.device)
                 copies = rows[:, None] if p.dim() == 2 else rows
             out.append(Shard(name, local, p, kind, copies, tied))
     return out

@@ -19,7 +19,8 @@ under any other (lesson 14):
                         (tpedu.cp), with TP, PP and DP around it. Ranks: tp fastest, then cp,
                         pp, dp (`Layout`)
 
-`model_options()` is what `TPGPT` takes of it: the model layer does not import this one.
+`model_options(mesh)` is what `TPGPT` takes of it, a `tpedu.model.options.RunOptions`: the model
+layer does not import this one.
 """
 
 from __future__ import annotations
@@ -29,14 +30,14 @@ from dataclasses import asdict, dataclass, fields
 from tpedu.cp.ring import LAYOUTS, check_cp_length
 from tpedu.model.config import RECOMPUTE, GPTConfig
 from tpedu.model.gpt import check_context_parallel
-from tpedu.parallel.mesh import Layout, Mesh
+from tpedu.model.options import CP_STRATEGIES, RunOptions
+from tpedu.parallel.mesh import AXIS_NAMES, Layout, Mesh
 from tpedu.parallel.pipeline.schedules import partition, schedule
 from tpedu.tp.sequence_parallel import check_sequence_length
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved")
 STAGE_SPLITS = ("even", "flops")
 ZERO_LEVELS = (0, 1, 2, 3)
-CP_STRATEGIES = ("ring", "ulysses")
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,7 @@ class ParallelConfig:
     cp_layout: str = "zigzag"
 
     def __post_init__(self) -> None:
-        Layout(self.tp, self.pp, self.dp)  # positive integers (cp: below)
+        _ = self.layout  # Layout refuses an axis that is not a positive integer
         for name, choices in (
             ("schedule", SCHEDULES),
             ("stage_split", STAGE_SPLITS),
@@ -71,32 +72,29 @@ class ParallelConfig:
         ):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
-        if not isinstance(self.cp, int) or self.cp < 1:
-            raise ValueError(f"cp must be a positive integer, got {self.cp!r}")
         if self.micro_batches is not None and self.micro_batches < 1:
             raise ValueError(f"micro_batches must be at least 1, got {self.micro_batches}")
         schedule(self.schedule, self.micro_batches or self.pp, self.pp, 0, self.chunks)
 
     @property
     def layout(self) -> Layout:
-        return Layout(self.tp, self.pp, self.dp, self.cp)
+        return Layout(**{a: getattr(self, a) for a in AXIS_NAMES})
 
     @property
     def world(self) -> int:
-        return self.tp * self.cp * self.pp * self.dp
+        return self.layout.world
 
-    def model_options(self, mesh: Mesh | None = None) -> dict[str, object]:
-        """TPGPT's keyword arguments: what of this config the model itself needs; with cp > 1
-        and this rank's `mesh`, its CP group (`cp_group`) too."""
-        cp = {"cp_strategy": self.cp_strategy, "cp_layout": self.cp_layout} if self.cp > 1 else {}
-        if cp and mesh is not None:
-            cp["cp_group"] = mesh.cp_group
-        return {
-            "sequence_parallel": self.sequence_parallel,
-            "recompute": self.recompute,
-            "overlap_comm": self.overlap_comm,
-            **cp,
-        }
+    def model_options(self, mesh: Mesh | None = None) -> RunOptions:
+        """TPGPT's RunOptions: what of this config the model itself needs; with this rank's
+        `mesh`, its CP group too."""
+        return RunOptions(
+            sequence_parallel=self.sequence_parallel,
+            recompute=self.recompute,
+            overlap_comm=self.overlap_comm,
+            cp_group=mesh.cp_group if mesh is not None else None,
+            cp_strategy=self.cp_strategy,
+            cp_layout=self.cp_layout,
+        )
 
     def check(self, config: GPTConfig) -> None:
         """Raise a ValueError naming the problem (and the fix) if `config` cannot run so."""
@@ -107,7 +105,7 @@ class ParallelConfig:
         if self.cp > 1:
             check_cp_length(config.seq_len, self.cp, self.cp_layout)
             check_context_parallel(
-                config, self.sequence_parallel, self.cp_strategy, self.cp_layout, self.tp, self.cp
+                config, self.sequence_parallel, self.cp_strategy, self.tp, self.cp
             )
 
     def to_dict(self) -> dict:

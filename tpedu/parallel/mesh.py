@@ -1,7 +1,7 @@
 """Lesson 13: the device mesh: which global ranks form each TP, CP, PP and DP group.
 
 A layout (tp, pp, dp) puts world = tp·pp·dp ranks on a grid; context parallelism adds a fourth
-axis, cp (default 1). TP varies fastest, then CP, then PP, then DP:
+axis, cp (default 1). `AXES` names the axes in rank order, TP fastest, then CP, PP, DP:
 
     rank = tp_rank + tp · (cp_rank + cp · (pp_rank + pp · dp_rank))
 
@@ -31,6 +31,7 @@ reproduces it so lesson 13 can show the difference.
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -45,8 +46,31 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
+class Axis:
+    """One axis of the rank grid, and what its group does."""
+
+    name: str
+    checkpoint: bool  # its ranks hold different tensors: checkpoint files are named by it
+    optional: bool  # no group at size 1 (the model then runs without it); else always one
+    group: str  # what the ranks of one group share
+
+
+# The one description of the grid, in rank order (fastest first): groups, coordinates, the
+# Mesh, checkpoint file names, the dry run's group names and the CLI's layout flags follow it.
+AXES = (
+    Axis("tp", True, False, "one pipeline stage of one replica, its matmuls split"),
+    Axis("cp", False, True, "one stage's sequence chunks: gradients summed"),
+    Axis("pp", True, False, "one pipeline, stage 0 -> stage pp-1"),
+    Axis("dp", True, False, "replicas of the same shards: gradients averaged"),
+)
+AXIS_NAMES = tuple(a.name for a in AXES)
+CHECKPOINT_AXES = tuple(a.name for a in AXES if a.checkpoint)
+
+
+@dataclass(frozen=True)
 class Layout:
-    """A (tp, pp, dp) layout (and cp) of tp·cp·pp·dp ranks; TP varies fastest, then CP, PP, DP."""
+    """A (tp, pp, dp) layout (and cp) of tp·cp·pp·dp ranks, ordered as `AXES`: TP varies
+    fastest, then CP, PP, DP."""
 
     tp: int = 1
     pp: int = 1
@@ -54,84 +78,77 @@ class Layout:
     cp: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "dp", "cp"):
+        for name in AXIS_NAMES:
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
 
     @property
+    def sizes(self) -> dict[str, int]:
+        """{axis: size} in rank order (fastest first)."""
+        return {name: getattr(self, name) for name in AXIS_NAMES}
+
+    @property
     def world(self) -> int:
-        return self.tp * self.cp * self.pp * self.dp
+        return math.prod(self.sizes.values())
 
     def check_world(self, world: int) -> None:
         """Raise a ValueError if this layout does not use exactly `world` ranks."""
         if self.world != world:
-            sizes = f"{self.tp}·{self.pp}·{self.dp}" + (f"·{self.cp}" if self.cp > 1 else "")
+            used = {a: n for a, n in self.sizes.items() if n > 1 or a in ("tp", "pp", "dp")}
             raise ValueError(
-                f"tp·pp·dp{'·cp' if self.cp > 1 else ''} = {sizes} = {self.world} does not "
-                f"match the world size {world}; choose sizes whose product is {world} "
+                f"{'·'.join(used)} = {'·'.join(map(str, used.values()))} = {self.world} does "
+                f"not match the world size {world}; choose sizes whose product is {world} "
                 f"(each a divisor of it: {', '.join(map(str, divisors(world)))})"
             )
 
-    def coords(self, rank: int) -> tuple[int, int, int]:
-        """Global rank -> (tp_rank, pp_rank, dp_rank) (its cp_rank: `cp_rank(rank)`)."""
+    def coords(self, rank: int) -> dict[str, int]:
+        """Global rank -> {axis: its index along that axis}, in rank order."""
         if not 0 <= rank < self.world:
             raise ValueError(f"rank {rank} is outside [0, {self.world})")
-        rest = rank // (self.tp * self.cp)
-        return rank % self.tp, rest % self.pp, rest // self.pp
-
-    def cp_rank(self, rank: int) -> int:
-        """Global rank -> its position in its CP group."""
-        return (rank // self.tp) % self.cp
-
-    def rank(self, tp_rank: int, pp_rank: int, dp_rank: int, cp_rank: int = 0) -> int:
-        """(tp_rank, pp_rank, dp_rank, cp_rank) -> global rank."""
-        return tp_rank + self.tp * (cp_rank + self.cp * (pp_rank + self.pp * dp_rank))
-
-    def _groups(self, axis: str) -> list[list[int]]:
-        """Every group along `axis` (the ranks that differ only there), in a fixed order."""
-        sizes = {"tp": self.tp, "cp": self.cp, "pp": self.pp, "dp": self.dp}
-        others = [a for a in ("dp", "pp", "cp", "tp") if a != axis]  # slowest first
-        out = []
-        for fixed in itertools.product(*(range(sizes[a]) for a in others)):
-            at = dict(zip(others, fixed, strict=True))
-            out.append(
-                [
-                    self.rank(**{f"{a}_rank": at.get(a, i) for a in sizes})
-                    for i in range(sizes[axis])
-                ]
-            )
+        out = {}
+        for name, size in self.sizes.items():
+            rank, out[name] = divmod(rank, size)
         return out
 
-    def tp_groups(self) -> list[list[int]]:
-        """Every TP group (consecutive ranks), in a fixed order."""
-        return self._groups("tp")
+    def rank(self, **coords: int) -> int:
+        """{axis: index} -> global rank (an axis left out: index 0)."""
+        unknown = set(coords) - set(AXIS_NAMES)
+        if unknown:
+            raise ValueError(f"unknown axes {sorted(unknown)}; the axes are {AXIS_NAMES}")
+        rank, stride = 0, 1
+        for name, size in self.sizes.items():
+            rank += coords.get(name, 0) * stride
+            stride *= size
+        return rank
 
-    def cp_groups(self) -> list[list[int]]:
-        """Every CP group (one per TP rank of each stage of each replica), in a fixed order."""
-        return self._groups("cp")
-
-    def pp_groups(self) -> list[list[int]]:
-        """Every pipeline (stage 0 first), in a fixed order."""
-        return self._groups("pp")
-
-    def dp_groups(self) -> list[list[int]]:
-        """Every set of replicas of one shard, in a fixed order."""
-        return self._groups("dp")
+    def axis_groups(self, axis: str) -> list[list[int]]:
+        """Every group along `axis` (the ranks that differ only there), in a fixed order:
+        tp groups are consecutive ranks, a pp group is one pipeline (stage 0 first)."""
+        sizes = self.sizes
+        others = [a for a in reversed(AXIS_NAMES) if a != axis]  # slowest first
+        return [
+            [
+                self.rank(**dict(zip(others, fixed, strict=True)), **{axis: i})
+                for i in range(sizes[axis])
+            ]
+            for fixed in itertools.product(*(range(sizes[a]) for a in others))
+        ]
 
     def emb_groups(self) -> list[list[int]]:
         """[first stage, last stage] of every pipeline (empty when pp = 1: nothing to tie)."""
-        return [[g[0], g[-1]] for g in self.pp_groups()] if self.pp > 1 else []
+        return [[g[0], g[-1]] for g in self.axis_groups("pp")] if self.pp > 1 else []
+
+    def group_names(self) -> tuple[str, ...]:
+        """The groups this layout has, in rank order, then "emb": an optional axis (cp) only
+        at size > 1."""
+        return tuple(a.name for a in AXES if not a.optional or self.sizes[a.name] > 1) + ("emb",)
 
     def groups(self) -> dict[str, list[list[int]]]:
-        """{'tp': ..., 'pp': ..., 'dp': ..., 'emb': ...} (and 'cp' when cp > 1): every group of
-        every kind."""
-        out = {
-            "tp": self.tp_groups(),
-            "pp": self.pp_groups(),
-            "dp": self.dp_groups(),
-            "emb": self.emb_groups(),
+        """{name: every group of that kind} for each of `group_names()`."""
+        return {
+            name: self.emb_groups() if name == "emb" else self.axis_groups(name)
+            for name in self.group_names()
         }
-        return out | ({"cp": self.cp_groups()} if self.cp > 1 else {})
 
 
 def rank_groups(tp: int, pp: int, dp: int) -> dict[str, list[list[int]]]:
@@ -158,42 +175,49 @@ class Mesh:
         layout.check_world(dist.get_world_size())
         self.layout = layout
         self.rank = dist.get_rank()
-        self.tp_rank, self.pp_rank, self.dp_rank = layout.coords(self.rank)
-        self.cp_rank = layout.cp_rank(self.rank)
-        self.groups: dict[str, dist.ProcessGroup] = {}
+        self.coords = layout.coords(self.rank)
+        self.groups: dict[str, dist.ProcessGroup | None] = {}
         self.members: dict[str, list[int]] = {}
         # Gradients travel backwards on their own group (channel), so an activation and a
         # gradient between the same two ranks (pp = 2, interleaved) can never be confused. The
         # interleaved schedule's wrap-around edge (last stage -> first, to the next chunk) gets
         # its own groups too: at pp = 2 it runs opposite to the 0 -> 1 edge, and two ranks
         # sending to each other on one NCCL communicator can each wait for the other forever.
-        pp = layout.pp_groups()
-        kinds = {"cp": [], **layout.groups(), "pp_grad": pp, "pp_wrap": pp, "pp_grad_wrap": pp}
-        for kind in ("tp", "pp", "pp_grad", "pp_wrap", "pp_grad_wrap", "dp", "emb", "cp"):
-            for ranks in kinds[kind]:
+        kinds = {}
+        for name, ranks in layout.groups().items():
+            kinds[name] = ranks
+            if name == "pp":
+                kinds |= {"pp_grad": ranks, "pp_wrap": ranks, "pp_grad_wrap": ranks}
+        for kind, groups in kinds.items():
+            for ranks in groups:
                 g = dist.new_group(ranks)  # collective: every rank, every group, same order
                 if self.rank in ranks:
                     name = "pp" if kind.startswith("pp") else kind
                     self.groups[kind] = collectives.name_group(g, name)
                     self.members[kind] = ranks
-        for kind in ("emb", "cp"):  # none: no tied copies to sum, no context parallelism
+        for kind in [*AXIS_NAMES, "emb"]:  # none: an optional axis of size 1, no tied copies
             self.groups.setdefault(kind, None)
             self.members.setdefault(kind, [])
 
+    tp_rank = property(lambda self: self.coords["tp"])
+    cp_rank = property(lambda self: self.coords["cp"])
+    pp_rank = property(lambda self: self.coords["pp"])
+    dp_rank = property(lambda self: self.coords["dp"])
     tp_group = property(lambda self: self.groups["tp"])
+    cp_group = property(lambda self: self.groups["cp"])
     pp_group = property(lambda self: self.groups["pp"])
     dp_group = property(lambda self: self.groups["dp"])
     emb_group = property(lambda self: self.groups["emb"])
-    cp_group = property(lambda self: self.groups["cp"])
 
     def __repr__(self) -> str:
-        lay = self.layout
-        return (
-            f"Mesh(rank {self.rank}: tp {self.tp_rank}/{lay.tp}, pp {self.pp_rank}/{lay.pp}, "
-            f"dp {self.dp_rank}/{lay.dp}"
-            + (f", cp {self.cp_rank}/{lay.cp}" if lay.cp > 1 else "")
-            + ")"
-        )
+        return f"Mesh(rank {self.rank}: {describe_coords(self.layout, self.rank)})"
+
+
+def describe_coords(layout: Layout, rank: int) -> str:
+    """ "tp 1/2, pp 0/2, dp 1/2" (and cp, at size > 1): where `rank` sits in `layout`."""
+    names = [n for n in layout.group_names() if n != "emb"]
+    coords = layout.coords(rank)
+    return ", ".join(f"{n} {coords[n]}/{layout.sizes[n]}" for n in names)
 
 
 # ---------------------------------------------------------------------------------- pictures
@@ -215,16 +239,14 @@ def draw_layout(
     colors = plt.get_cmap("tab20")
     members = {k: next((g for g in gs if highlight in g), []) for k, gs in layout.groups().items()}
     for r in range(layout.world):
-        t, p, d = layout.coords(r)
-        x, y = p * layout.tp + t, rows - 1 - d
+        x, y = _cell(layout, r)
         node = r // gpus_per_node
         ax.add_patch(Rectangle((x + 0.05, y + 0.05), 0.9, 0.9, color=colors(node % 20), alpha=0.55))
         ax.text(x + 0.5, y + 0.5, str(r), ha="center", va="center", fontsize=7)
     styles = {"tp": ("red", 2.5), "pp": ("blue", 1.8), "dp": ("green", 1.2)}
     for kind, (color, width) in styles.items():
         for r in members[kind]:
-            t, p, d = layout.coords(r)
-            x, y = p * layout.tp + t, rows - 1 - d
+            x, y = _cell(layout, r)
             ax.add_patch(
                 Rectangle(
                     (x + 0.05, y + 0.05), 0.9, 0.9, fill=False, edgecolor=color, linewidth=width
@@ -247,6 +269,12 @@ def draw_layout(
         fontsize=9,
     )
     return ax
+
+
+def _cell(layout: Layout, rank: int) -> tuple[int, int]:
+    """(column, row) of `rank` in `draw_layout`'s grid (cp = 1)."""
+    c = layout.coords(rank)
+    return c["pp"] * layout.tp + c["tp"], layout.dp - 1 - c["dp"]
 
 
 def _default_size(world: int) -> int:

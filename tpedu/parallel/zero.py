@@ -244,6 +244,9 @@ class ShardedDataParallel(GradientSync):
     `gather_dtype` (e.g. torch.bfloat16): all-gather the parameters in it, half the bytes, the
     replicas' parameters then rounded to it (AdamW's fp32 shards are not); `prefetch`
     (ZeRO-3): start the neighbouring block's all-gather early (False: only when it is needed).
+
+    Many parameters because the AdamW settings (lr, betas, weight_decay) are torch.optim.AdamW's
+    own, beside ZeRO's (level, dtypes, prefetch).
     """
 
     def __init__(

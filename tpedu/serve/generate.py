@@ -166,6 +166,8 @@ def stream(
     argmax. The same `seed` on every rank gives every rank the same tokens.
     use_cache=False: recompute every sequence's window each step (no KV cache; the window
     slides past the context length instead of refusing it).
+
+    Many parameters because they are the sampling settings of transformers' `generate`.
     """
     model.eval()
     b = len(prompts)

@@ -35,6 +35,8 @@ dropout from them: the a·s² terms leave the memory ledger.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -42,7 +44,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from tpedu.comm import collectives
-from tpedu.tp.dense import ATTENTION_DROPOUT_SITE, attend
+from tpedu.tp.dense import ATTENTION_DROPOUT_SITE, DenseAttention, attend
 from tpedu.tp.dropout import derive_seed, index_dropout
 from tpedu.tp.kv_cache import LayerCache, check_cache_usable
 from tpedu.tp.layers import RowParallelLinear, column_parallel_linear
@@ -123,12 +125,36 @@ def split_qkv(
     return weight.detach().index_select(0, idx).contiguous()
 
 
+class FusedQKV(nn.Module):
+    """This rank's rows of the fused QKV projection: its heads' q, k, v rows (`split_qkv`),
+    weight [(nq/t + 2·nkv_r)·d, H] and bias [(nq/t + 2·nkv_r)·d] or None. Parameters only:
+    ParallelAttention runs the matmul (behind its f, or sequence parallelism's all-gather)."""
+
+    shard_kinds = {"weight": "qkv", "bias": "qkv"}  # how the shard map stores them
+
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, q_rows: int, kv_replicas: int
+    ) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight)
+        self.bias = nn.Parameter(bias) if bias is not None else None
+        self.q_rows, self.kv_replicas = q_rows, kv_replicas
+
+    def copies(self) -> torch.Tensor:
+        """Ranks holding each row [rows] (float64): 1 for the q rows, kv_replicas for the k and v
+        rows (the shard map's replica counts)."""
+        rows = torch.ones(self.weight.shape[0], dtype=torch.float64)
+        rows[self.q_rows :] = self.kv_replicas
+        return rows
+
+
 class ParallelAttention(nn.Module):
     """Causal multi-head (or grouped-query) self-attention with heads split over the group.
 
-    Built from the dense weights: qkv_weight [(nq + 2·nkv)·d, H] in fused [q|k|v] order,
-    qkv_bias [(nq + 2·nkv)·d] or None, out_weight [H, nq·d], out_bias [H] or None.
-    Local: .qkv_weight [(nq/t + 2·nkv_r)·d, H], .qkv_bias likewise, .out_proj a RowParallelLinear.
+    Built from a DenseAttention (the same on every rank): its qkv weight [(nq + 2·nkv)·d, H] in
+    fused [q|k|v] order, qkv bias [(nq + 2·nkv)·d] or None, out weight [H, nq·d], out bias [H]
+    or None. Local: .qkv a FusedQKV (weight [(nq/t + 2·nkv_r)·d, H], bias likewise), .out a
+    RowParallelLinear: DenseAttention's names.
     forward x [b, s, H] -> [b, s, H], both full and identical on every rank.
     Forward: 1 all-reduce of b·s·H (out projection). Backward: 1 all-reduce of b·s·H (the f in
     front of the QKV projection). Attention-probability dropout uses `index_dropout` at this
@@ -137,27 +163,25 @@ class ParallelAttention(nn.Module):
 
     def __init__(
         self,
-        qkv_weight: torch.Tensor,
-        qkv_bias: torch.Tensor | None,
-        out_weight: torch.Tensor,
-        out_bias: torch.Tensor | None,
-        n_heads: int,
-        n_kv_heads: int | None = None,
+        dense: DenseAttention,
         group: dist.ProcessGroup | None = None,
-        causal: bool = True,
-        dropout_p: float = 0.0,
-        dropout_seed: int = 0,
-        rope_theta: float | None = None,
+        *,
         sequence_parallel: bool = False,
         recompute_core: bool = False,
-        fused: bool = True,
+        overlap_comm: bool = False,
+        cp_group: dist.ProcessGroup | None = None,
+        cp_attention: Callable | None = None,
     ) -> None:
         super().__init__()
-        self.fused = fused  # tpedu.tp.dense.attend: flash attention unless a dropout mask is drawn
-        self.async_grad_all_reduce = False  # True: overlap f's backward all-reduce (lesson 15)
+        qkv_weight, qkv_bias = dense.qkv.weight, dense.qkv.bias
+        out_weight, out_bias = dense.out.weight, dense.out.bias
+        n_heads, n_kv_heads = dense.n_heads, dense.n_kv_heads
+        self.fused = dense.fused  # tp.dense.attend: flash attention unless a dropout mask is drawn
+        self.overlap_comm = overlap_comm  # overlap f's backward all-reduce (lesson 15)
         self.sequence_parallel, self.recompute_core = sequence_parallel, recompute_core
-        self.cp_group, self.cp_attention = None, None  # set by TPGPT with context parallelism
-        self.rope_theta = rope_theta  # RoPE rotates each head on its own: no communication
+        # context parallelism (tpedu.cp): the core is cp_attention over cp_group
+        self.cp_group, self.cp_attention = cp_group, cp_attention
+        self.rope_theta = dense.rope_theta  # RoPE rotates each head on its own: no communication
         self.group = group
         self.tp, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.n_heads = n_heads
@@ -175,48 +199,35 @@ class ParallelAttention(nn.Module):
                 f"out_weight must be [H, n_heads·head_dim] = [{self.hidden}, "
                 f"{n_heads * self.head_dim}], got {tuple(out_weight.shape)}"
             )
-        self.causal, self.dropout_p, self.dropout_seed = causal, dropout_p, dropout_seed
+        self.causal, self.dropout_p, self.dropout_seed = (
+            dense.causal,
+            dense.dropout_p,
+            dense.dropout_seed,
+        )
         self.q_heads, self.kv_heads = local_heads(n_heads, self.n_kv_heads, self.tp, self.rank)
         split = lambda w: split_qkv(w, n_heads, self.n_kv_heads, self.tp, self.rank)
-        self.qkv_weight = nn.Parameter(split(qkv_weight))
-        self.qkv_bias = nn.Parameter(split(qkv_bias)) if qkv_bias is not None else None
-        self.out_proj = RowParallelLinear(
+        self.qkv = FusedQKV(
+            split(qkv_weight),
+            split(qkv_bias) if qkv_bias is not None else None,
+            len(self.q_heads) * self.head_dim,
+            self.kv_replicas,
+        )
+        self.out = RowParallelLinear(
             out_weight, out_bias, group, input_is_parallel=True, sequence_parallel=sequence_parallel
         )
 
     @classmethod
     def from_dense(
-        cls, dense: nn.Module, group: dist.ProcessGroup | None = None, **kwargs: bool
+        cls, dense: DenseAttention, group: dist.ProcessGroup | None = None, **options: object
     ) -> ParallelAttention:
-        """Shard a `tpedu.tp.dense.DenseAttention` (the same on every rank); kwargs:
-        sequence_parallel, recompute_core."""
-        return cls(
-            dense.qkv.weight,
-            dense.qkv.bias,
-            dense.out.weight,
-            dense.out.bias,
-            dense.n_heads,
-            dense.n_kv_heads,
-            group,
-            dense.causal,
-            dense.dropout_p,
-            dense.dropout_seed,
-            dense.rope_theta,
-            fused=dense.fused,
-            **kwargs,
-        )
+        """Shard a `tpedu.tp.dense.DenseAttention` (the same on every rank), named like the
+        linear layers' `from_dense`; `options`: the constructor's keyword arguments."""
+        return cls(dense, group, **options)
 
     @property
     def kv_replicas(self) -> int:
         """How many ranks hold a copy of each KV head (1 unless tp > n_kv_heads)."""
         return max(1, self.tp // self.n_kv_heads)
-
-    def qkv_copies(self) -> torch.Tensor:
-        """Ranks holding each row of this rank's fused QKV weight [rows] (float64): 1 for the q
-        rows, kv_replicas for the k and v rows (the shard map's replica counts)."""
-        rows = torch.ones(self.qkv_weight.shape[0], dtype=torch.float64)
-        rows[len(self.q_heads) * self.head_dim :] = self.kv_replicas
-        return rows
 
     def forward(
         self,
@@ -239,14 +250,14 @@ class ParallelAttention(nn.Module):
             cp = 1 if self.cp_group is None else dist.get_world_size(self.cp_group)
             check_cache_usable(self.training, self.sequence_parallel, cp)
         if self.sequence_parallel:  # all-gather the sequence; backward: reduce-scatter
-            qkv = all_gather_linear(x, [self.qkv_weight], [self.qkv_bias], self.group)[0]
+            qkv = all_gather_linear(x, [self.qkv.weight], [self.qkv.bias], self.group)[0]
         else:
             qkv = column_parallel_linear(
                 x,
-                self.qkv_weight,
-                self.qkv_bias,
+                self.qkv.weight,
+                self.qkv.bias,
                 self.group,
-                async_grad_all_reduce=self.async_grad_all_reduce,
+                async_grad_all_reduce=self.overlap_comm,
             )
         b, s, _ = qkv.shape
         q, k, v = qkv.split([nq * d, nkv * d, nkv * d], dim=-1)
@@ -260,16 +271,16 @@ class ParallelAttention(nn.Module):
             q, k = apply_rope(q, self.rope_theta, mine), apply_rope(k, self.rope_theta, mine)
         if cache is not None:
             k, v, mask = cache.update(k, v, mine)  # [b, nkv_r, L, d], mask [b, 1, s, L]
-            return self.out_proj(self._cached_core(q, k, v, mask))
+            return self.out(self._cached_core(q, k, v, mask))
         if positions is not None:  # context parallel: the core spans every CP rank's positions
             out = self.cp_attention(q, k, v, positions, self.cp_group)
-            return self.out_proj(out.transpose(1, 2).reshape(b, s, nq * d))
+            return self.out(out.transpose(1, 2).reshape(b, s, nq * d))
         if self.recompute_core and torch.is_grad_enabled():
             # Saves q, k, v only; the recomputation redraws the same index_dropout mask.
             out = checkpoint(self._core, q, k, v, step, use_reentrant=False)
         else:
             out = self._core(q, k, v, step)
-        return self.out_proj(out)
+        return self.out(out)
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: int) -> torch.Tensor:
         """softmax(q·kᵀ/√d)·v on this rank's heads: q [b, nq/t, s, d], k, v [b, nkv_r, s, d]
@@ -312,7 +323,7 @@ class ParallelAttention(nn.Module):
 
     def qkv_params(self) -> list[nn.Parameter]:
         """The fused QKV weight (and bias): what all_reduce_replicated_kv_grads touches."""
-        return [p for p in (self.qkv_weight, self.qkv_bias) if p is not None]
+        return [p for p in (self.qkv.weight, self.qkv.bias) if p is not None]
 
     def all_reduce_replicated_kv_grads(self) -> None:
         """Sum the partial gradients of replicated KV heads over their replicas (in place).
@@ -325,17 +336,17 @@ class ParallelAttention(nn.Module):
         if self.kv_replicas == 1:
             return
         d = self.head_dim
-        parts = [self.qkv_weight.grad[-2 * d :]]
-        if self.qkv_bias is not None:
-            parts.append(self.qkv_bias.grad[-2 * d :, None])
+        parts = [self.qkv.weight.grad[-2 * d :]]
+        if self.qkv.bias is not None:
+            parts.append(self.qkv.bias.grad[-2 * d :, None])
         local = torch.cat(parts, dim=1)  # [2·d, H (+1)]: this rank's k and v rows
         buf = local.new_zeros(self.n_kv_heads, *local.shape)
         buf[self.kv_heads[0]] = local
         collectives.all_reduce(buf, self.group)
         summed = buf[self.kv_heads[0]]
-        self.qkv_weight.grad[-2 * d :] = summed[:, : self.hidden]
-        if self.qkv_bias is not None:
-            self.qkv_bias.grad[-2 * d :] = summed[:, self.hidden]
+        self.qkv.weight.grad[-2 * d :] = summed[:, : self.hidden]
+        if self.qkv.bias is not None:
+            self.qkv.bias.grad[-2 * d :] = summed[:, self.hidden]
 
     def _dense_fused(self, local: torch.Tensor) -> torch.Tensor:
         """Per-rank [q|k|v] rows -> the dense fused layout [(nq + 2·nkv)·d, ...] (all-gathers).
@@ -357,13 +368,13 @@ class ParallelAttention(nn.Module):
 
         With tp > n_kv_heads, call all_reduce_replicated_kv_grads() before asking for gradients.
         """
-        return self._dense_fused(self.qkv_weight.grad if grad else self.qkv_weight)
+        return self._dense_fused(self.qkv.weight.grad if grad else self.qkv.weight)
 
     def dense_qkv_bias(self, grad: bool = False) -> torch.Tensor | None:
         """The dense fused QKV bias [(nq + 2·nkv)·d] (or its gradient), or None."""
-        if self.qkv_bias is None:
+        if self.qkv.bias is None:
             return None
-        return self._dense_fused(self.qkv_bias.grad if grad else self.qkv_bias)
+        return self._dense_fused(self.qkv.bias.grad if grad else self.qkv.bias)
 
     def extra_repr(self) -> str:
         return (

@@ -137,6 +137,9 @@ class DenseAttention(nn.Module):
     probabilities [b, nq, s, s] through tpedu.tp.dropout.index_dropout at offsets 0 (the whole
     tensor), seed derive_seed(dropout_seed, ATTENTION_DROPOUT_SITE, step): a tensor-parallel
     copy drawing its slice of the same mask matches it exactly.
+
+    Many parameters because they are the layer's hyperparameters, as nn.MultiheadAttention's
+    are.
     """
 
     def __init__(

@@ -89,6 +89,8 @@ class VocabParallelEmbedding(nn.Module):
     already complete on every rank; each rank's lookup keeps only its own rows' share).
     """
 
+    shard_kinds = {"weight": "vocab"}  # how the shard map stores it
+
     def __init__(self, weight: torch.Tensor, group: dist.ProcessGroup | None = None) -> None:
         super().__init__()
         self.group = group

@@ -89,7 +89,7 @@ class KVCache:
                 f"which slides a window over the last {seq_len}"
             )
         attn = model.blocks[0].attn
-        w = attn.qkv_weight
+        w = attn.qkv.weight
         return cls(
             len(model.blocks),
             batch,

@@ -111,6 +111,8 @@ class ColumnParallelLinear(nn.Module):
     (gather_output=True) undo it, so they are always in the dense order.
     """
 
+    shard_kinds = {"weight": "column", "bias": "column"}  # how the shard map stores them
+
     def __init__(
         self,
         weight: torch.Tensor,
@@ -119,6 +121,7 @@ class ColumnParallelLinear(nn.Module):
         gather_output: bool = False,
         row_order: torch.Tensor | Sequence[int] | None = None,
         sequence_parallel: bool = False,
+        async_grad_all_reduce: bool = False,
     ) -> None:
         super().__init__()
         _check_weight(weight, bias)
@@ -127,7 +130,7 @@ class ColumnParallelLinear(nn.Module):
         self.group = group
         self.sequence_parallel = sequence_parallel  # input [b, s/t, in]: all-gather it first
         self.gather_output = gather_output
-        self.async_grad_all_reduce = False  # True: overlap f's backward all-reduce (lesson 15)
+        self.async_grad_all_reduce = async_grad_all_reduce  # overlap f's backward (lesson 15)
         self.tp = dist.get_world_size(group)
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         check_divisible(self.out_features, self.tp, "out_features of ColumnParallelLinear")
@@ -206,6 +209,9 @@ class RowParallelLinear(nn.Module):
     all-reduce). If `input_is_parallel` is False the layer takes the full input [..., in] and
     keeps its own chunk first (scatter_to_tp_region: backward all-gathers the gradient).
     """
+
+    # the bias is added after the sum, the same on every rank: replicated
+    shard_kinds = {"weight": "row", "bias": "replicated"}
 
     def __init__(
         self,

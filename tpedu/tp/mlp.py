@@ -10,7 +10,7 @@ That is seed §2.2's point: GeLU is elementwise, so the column layer's sharded o
 the row layer's sharded input and nothing moves in between. Column+column would all-gather the
 hidden activation ([..., F], 4x larger) and row+row would need it scattered; both cost more.
 
-SwiGLU (`ParallelMLP.swiglu`): gate and up are both column-parallel with the SAME row split, so
+SwiGLU (a DenseMLP with activation "swiglu"): gate and up are both column-parallel with the SAME row split, so
 silu(gate)·up is still elementwise per rank; both share one f, so backward still all-reduces once.
 
 sequence_parallel=True (lesson 08): x is this rank's sequence shard [b, s/t, H]; the f becomes
@@ -51,23 +51,17 @@ class ParallelMLP(nn.Module):
 
     def __init__(
         self,
-        fc1: nn.Linear,
-        fc2: nn.Linear,
+        dense: DenseMLP,
         group: dist.ProcessGroup | None = None,
-        activation: str = "gelu",
-        hidden_dropout: float = 0.0,
-        output_dropout: float = 0.0,
-        seed: int = 0,
-        up: nn.Linear | None = None,
+        *,
         sequence_parallel: bool = False,
+        overlap_comm: bool = False,
     ) -> None:
         super().__init__()
+        fc1, fc2, up, activation = dense.fc1, dense.fc2, dense.up, dense.activation
         check_activation(activation)
         if (activation == "swiglu") != (up is not None):
-            raise ValueError(
-                "activation='swiglu' needs the `up` projection (and only it does); "
-                "use ParallelMLP.swiglu(gate, up, down, group)"
-            )
+            raise ValueError("activation='swiglu' needs the `up` projection (and only it does)")
         hidden, ffn = fc1.in_features, fc1.out_features
         if (fc2.in_features, fc2.out_features) != (ffn, hidden) or (
             up is not None and (up.in_features, up.out_features) != (hidden, ffn)
@@ -82,10 +76,16 @@ class ParallelMLP(nn.Module):
         self.tp, self.rank = dist.get_world_size(group), dist.get_rank(group)
         check_divisible(ffn, self.tp, "ffn_hidden (fc1.out_features)")
         self.hidden, self.ffn_hidden, self.activation = hidden, ffn, activation
-        self.hidden_dropout, self.output_dropout, self.seed = hidden_dropout, output_dropout, seed
-        self.sequence_parallel = sequence_parallel
+        self.hidden_dropout, self.output_dropout = dense.hidden_dropout, dense.output_dropout
+        self.seed, self.sequence_parallel = dense.seed, sequence_parallel
+        # overlap: bitwise the same results, only backward's timeline changes (SwiGLU's shared f
+        # and sequence parallelism keep their own paths)
         self.fc1 = ColumnParallelLinear(
-            fc1.weight, fc1.bias, group, sequence_parallel=sequence_parallel
+            fc1.weight,
+            fc1.bias,
+            group,
+            sequence_parallel=sequence_parallel,
+            async_grad_all_reduce=overlap_comm,
         )
         self.up = ColumnParallelLinear.from_dense(up, group) if up is not None else None
         self.fc2 = RowParallelLinear(
@@ -93,36 +93,12 @@ class ParallelMLP(nn.Module):
         )
 
     @classmethod
-    def swiglu(
-        cls,
-        gate: nn.Linear,
-        up: nn.Linear,
-        down: nn.Linear,
-        group: dist.ProcessGroup | None = None,
-        **kwargs: float,
-    ) -> ParallelMLP:
-        """down(silu(gate(x)) · up(x)) with gate, up column-parallel and down row-parallel."""
-        return cls(gate, down, group, activation="swiglu", up=up, **kwargs)
-
-    @classmethod
     def from_dense(
-        cls,
-        dense: DenseMLP,
-        group: dist.ProcessGroup | None = None,
-        sequence_parallel: bool = False,
+        cls, dense: DenseMLP, group: dist.ProcessGroup | None = None, **options: bool
     ) -> ParallelMLP:
-        """Shard a DenseMLP (same weights on every rank); keeps its activation and dropout."""
-        return cls(
-            dense.fc1,
-            dense.fc2,
-            group,
-            dense.activation,
-            dense.hidden_dropout,
-            dense.output_dropout,
-            dense.seed,
-            up=dense.up,
-            sequence_parallel=sequence_parallel,
-        )
+        """Shard a DenseMLP (same weights on every rank); keeps its activation and dropout.
+        `options`: the constructor's keyword arguments."""
+        return cls(dense, group, **options)
 
     def forward(self, x: torch.Tensor, step: int = 0) -> torch.Tensor:
         """x [..., H] -> [..., H]; `step` selects this step's dropout masks.

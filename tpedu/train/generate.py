@@ -49,7 +49,10 @@ def generate_prompts(
     stop_token: int | None = None,
 ) -> list[list[int]]:
     """Continue every prompt, as one batch (tpedu.serve.generate.generate_batch); every rank
-    returns the same lists, each prompt followed by its new tokens."""
+    returns the same lists, each prompt followed by its new tokens.
+
+    Many parameters because they are the sampling settings of transformers' `generate`.
+    """
     model = load_for_generation(config, state)
     return generate_batch(
         model,
@@ -82,6 +85,8 @@ def generate(
     CPU generator on every backend, so a tp=1 run on a GPU and a tp=2 run on CPU ranks draw the
     same noise (the text then differs only where the logits' rounding does). With the cache
     (default) the prompt plus the new tokens must fit the context length config.seq_len.
+
+    Many parameters because they are the sampling settings of transformers' `generate`.
     """
     return generate_prompts(
         config, state, [prompt_ids], max_new_tokens, temperature, top_k, seed, use_cache, greedy

@@ -44,8 +44,7 @@ def count_parameters(config: GPTConfig) -> int:
 
 def describe(parallel: ParallelConfig) -> str:
     """'tp=2 cp=2 pp=2 dp=2', the axes larger than 1 (tp always): the progress bar's name."""
-    sizes = {"tp": parallel.tp, "cp": parallel.cp, "pp": parallel.pp, "dp": parallel.dp}
-    return " ".join(f"{k}={n}" for k, n in sizes.items() if n > 1 or k == "tp")
+    return " ".join(f"{k}={n}" for k, n in parallel.layout.sizes.items() if n > 1 or k == "tp")
 
 
 @torch.no_grad()
@@ -189,10 +188,7 @@ def _summary(
             p.numel() for p in torch.nn.ModuleList(step.chunks).parameters()
         ),
         "parameters_total": count_parameters(config),
-        "tp": parallel.tp,
-        "pp": parallel.pp,
-        "dp": parallel.dp,
-        "cp": parallel.cp,
+        **parallel.layout.sizes,
         "micro_batches": step.micro_batches,
         "zero": parallel.zero,
         "schedule": parallel.schedule,

@@ -93,7 +93,9 @@ def stage_chunks(config: GPTConfig, parallel: ParallelConfig, mesh: Mesh, seed: 
     parts = stage_layers(config, pp * v, parallel.stage_split)
     mine = [parts[c * pp + mesh.pp_rank] for c in range(v)]
     options = parallel.model_options(mesh)
-    return [c.to(device()) for c in build_sharded(config, mesh.tp_group, mine, seed, **options)]
+    return [
+        c.to(device()) for c in build_sharded(config, mesh.tp_group, mine, seed, options=options)
+    ]
 
 
 def clip_grads(params: Iterable[torch.nn.Parameter], norm: torch.Tensor, max_norm: float) -> None:
@@ -251,8 +253,8 @@ def build_model(
     """One model of every layer (lesson 07): this rank's shards of the dense model that `seed`
     initialises, over `group` (None: the world), run as `parallel` says (sequence parallelism,
     recompute, overlap), built without materialising the dense model."""
-    options = parallel.model_options() if parallel else {}
-    return build_sharded(config, group, seed=seed, **options)[0].to(device())
+    options = parallel.model_options() if parallel else None
+    return build_sharded(config, group, seed=seed, options=options)[0].to(device())
 
 
 def train_step(

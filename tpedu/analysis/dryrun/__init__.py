@@ -85,6 +85,7 @@ from tpedu.analysis.dryrun.measure import (
     dry_run,
     fake_world,
     measure_rank,
+    rank_class,
     traffic_summary,
 )
 from tpedu.analysis.dryrun.table import format_summary, format_table
@@ -101,6 +102,7 @@ __all__ = [
     "compare",
     "default_ranks",
     "dry_run",
+    "rank_class",
     "fake_world",
     "format_summary",
     "format_table",

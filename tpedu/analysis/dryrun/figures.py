@@ -12,7 +12,6 @@ from tpedu.parallel.config import ParallelConfig
 VALUE_BYTES = 4  # weights and gradients (fp32: the master weights), and fp32 values
 DRY_DTYPES = ("fp32", "bf16")  # the compute dtypes a dry run steps in
 ADAMW_BYTES = 8  # exp_avg and exp_avg_sq per parameter (fp32 weights are their own master)
-GROUP_ORDER = ("tp", "pp", "dp", "emb", "world")
 PHASE_ORDER = ("forward", "backward", "grad_sync")
 
 
@@ -43,7 +42,7 @@ class RankFigures:
 
     rank: int
     world: int
-    coords: tuple[int, int, int]  # (tp_rank, pp_rank, dp_rank)
+    coords: dict[str, int]  # {axis: index} (Layout.coords)
     chunks: tuple[tuple[int, int], ...]  # [start, stop) blocks of each model chunk
     first: bool  # holds the embedding (first virtual stage)
     last: bool  # holds the final norm and the head (last virtual stage)
@@ -146,6 +145,7 @@ class DryRun:
     figures: RankFigures
     comparisons: tuple[Comparison, ...]
     seconds: float = 0.0  # wall time of this rank's dry run (not in the table)
+    measured_on: int | None = None  # another rank of its class, whose figures these are
 
     def comparison(self, what: str) -> Comparison:
         return next(c for c in self.comparisons if c.what == what)

@@ -19,7 +19,6 @@ from tpedu.analysis.activation_memory import SavedTensorCounter
 from tpedu.analysis.dryrun.compare import compare
 from tpedu.analysis.dryrun.figures import (
     DRY_DTYPES,
-    GROUP_ORDER,
     PHASE_ORDER,
     DryRun,
     RankFigures,
@@ -30,7 +29,7 @@ from tpedu.comm.tracer import CommTracer
 from tpedu.model.config import GPTConfig
 from tpedu.model.dense import DenseGPT
 from tpedu.parallel.config import ParallelConfig
-from tpedu.parallel.mesh import Mesh
+from tpedu.parallel.mesh import AXIS_NAMES, Mesh
 from tpedu.parallel.pipeline.runtime import build_stage_chunks
 from tpedu.parallel.pipeline.schedules import action_parts
 from tpedu.parallel.zero import ShardedDataParallel
@@ -153,8 +152,10 @@ def traffic_summary(tracer: CommTracer) -> tuple[Traffic, ...]:
         for (g, op, ph), (calls, numel, nbytes) in tracer.summary().items()
     ]
 
+    order = [*AXIS_NAMES, "emb", "world"]
+
     def key(t: Traffic) -> tuple:
-        g = GROUP_ORDER.index(t.group) if t.group in GROUP_ORDER else len(GROUP_ORDER)
+        g = order.index(t.group) if t.group in order else len(order)
         ph = PHASE_ORDER.index(t.phase) if t.phase in PHASE_ORDER else len(PHASE_ORDER)
         return g, t.group, ph, t.op
 
@@ -212,7 +213,7 @@ def measure_rank(
         # As train's stage_chunks builds this rank's part, on the meta device
         chunks = build_stage_chunks(
             dense, mesh.tp_group, mesh.pp_rank, parallel.pp, parallel.chunks,
-            parallel.stage_split, **parallel.model_options(mesh),
+            parallel.stage_split, parallel.model_options(mesh),
         )  # fmt: skip
         stage = nn.ModuleList(chunks)
         train_step = build_step(chunks, mesh, parallel, cfg)  # as train builds it
@@ -319,10 +320,26 @@ def fake_world(rank: int, world: int) -> Iterator[None]:
             dist.destroy_process_group()
 
 
+def rank_class(parallel: ParallelConfig, rank: int) -> tuple[int, int]:
+    """(pp rank, cp rank): the ranks of one class measure equal figures, so a dry run measures
+    one of them and gives the others its figures under their own rank and coordinates.
+
+    Why the tp and dp ranks do not matter: every TP rank of a stage holds shards of the same
+    shapes (the vocabulary padded to Vp/t rows each, heads split evenly or a KV head
+    replicated whole), every DP rank the same stage (ZeRO's shards are equal n-element pieces
+    of a padded buffer), and every collective a rank joins has the same size and the same
+    number of members; on the meta device nothing else, no value, can differ. The stage (its
+    layers, the embedding or the head, the first stage sends no gradient back) and the CP rank
+    (a contiguous split gives later ranks more of the causal square) do differ.
+    tests/test_dryrun.py measures every rank of small layouts against its class's."""
+    c = parallel.layout.coords(rank)
+    return c["pp"], c["cp"]
+
+
 def default_ranks(parallel: ParallelConfig) -> list[int]:
     """The fullest ranks: rank 0 (embedding, most micro-batches in flight) and the first rank
     of the last stage (final norm, LM head, loss), or only rank 0 without a pipeline."""
-    last = parallel.layout.rank(0, parallel.pp - 1, 0)
+    last = parallel.layout.rank(pp=parallel.pp - 1)
     return [0] if last == 0 else [0, last]
 
 
@@ -374,22 +391,41 @@ def _dry_run_one(rank: int) -> DryRun:
 def _dry_run_here(
     config: GPTConfig, parallel: ParallelConfig, batch: int, ranks: list[int], dtype: str
 ) -> list[DryRun]:
-    """Each rank in turn on a fresh fake world; many ranks (--rank all) over forked workers,
-    one per core (each about a second at full size: the meta kernels are Python)."""
+    """One rank of each class (`rank_class`) in turn on a fresh fake world, many over forked
+    workers, one per core (each about a second at full size: the meta kernels are Python);
+    the other ranks of a class get its figures."""
     start = time.perf_counter()
     _POOL.update(
         config=config, parallel=parallel, batch=batch, dense=build_dense(config), dtype=dtype
     )
     built = time.perf_counter() - start  # once: every rank slices the same meta tensors
+    first = {}  # class -> the first of `ranks` in it, the one measured
+    for r in ranks:
+        first.setdefault(rank_class(parallel, r), r)
+    measure = list(first.values())
     try:
-        workers = min(len(ranks), mp.cpu_count())
-        if workers > 1 and len(ranks) > 2:
+        workers = min(len(measure), mp.cpu_count())
+        if workers > 1 and len(measure) > 2:
             with mp.get_context("fork").Pool(workers, torch.set_num_threads, (1,)) as pool:
-                out = pool.map(_dry_run_one, ranks, chunksize=1)
+                runs = pool.map(_dry_run_one, measure, chunksize=1)
+            measured = dict(zip(measure, runs, strict=True))
         else:
-            out = [_dry_run_one(r) for r in ranks]
+            measured = {r: _dry_run_one(r) for r in measure}
     finally:
         _POOL.clear()
+    out = [measured.get(r) or _as_rank(measured[first[rank_class(parallel, r)]], r) for r in ranks]
     if out:  # the shared model's build, charged to the first rank
         out[0] = dataclasses.replace(out[0], seconds=out[0].seconds + built)
     return out
+
+
+def _as_rank(run: DryRun, rank: int) -> DryRun:
+    """`run`'s figures as those of `rank`, a rank of the same class (compared anew)."""
+    figures = dataclasses.replace(run.figures, rank=rank, coords=run.parallel.layout.coords(rank))
+    return dataclasses.replace(
+        run,
+        figures=figures,
+        comparisons=compare(figures, run.config, run.parallel, run.batch),
+        seconds=0.0,
+        measured_on=run.figures.rank,
+    )

@@ -71,7 +71,7 @@ def traffic_comparisons(
     difference named."""
     pp, v = parallel.pp, parallel.chunks
     shape, why = model_shape(config, fig.micro_batch)
-    groups = ["tp", "pp", "dp", "emb"] + (["cp"] if parallel.cp > 1 else []) + ["world"]
+    groups = [*parallel.layout.group_names(), "world"]
     measured = {g: fig.sent(g) for g in groups}
     if shape is None or config.n_layers % (pp * v):
         note = why or f"the what-if needs L divisible by pp·chunks ({config.n_layers}, {pp}·{v})"
@@ -212,8 +212,8 @@ def _pp_traffic(x: _Volumes) -> Comparison:
     m, fig, vol, msg = x.m, x.fig, x.vol, x.msg
     # PP: activations forward, their gradients back; the what-if prices 2 sends per
     # micro-batch and chunk of a [b, s, h] message
-    sends = sum(m for cc in range(v) if cc * pp + fig.coords[1] != pp * v - 1)  # forward
-    sends += sum(m for cc in range(v) if cc * pp + fig.coords[1] != 0)  # backward
+    sends = sum(m for cc in range(v) if cc * pp + fig.coords["pp"] != pp * v - 1)  # forward
+    sends += sum(m for cc in range(v) if cc * pp + fig.coords["pp"] != 0)  # backward
     pp_terms = []
     if pp > 1:
         if sends != vol.pp_sends:
@@ -222,7 +222,7 @@ def _pp_traffic(x: _Volumes) -> Comparison:
                     f"{count_noun(sends, 'send')} here, the what-if's {vol.pp_sends}: "
                     + (
                         "the first stage sends no gradient back"
-                        if fig.coords[1] == 0
+                        if fig.coords["pp"] == 0
                         else "the last stage sends no activation on"
                     ),
                     (sends - vol.pp_sends) * msg,

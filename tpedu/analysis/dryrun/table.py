@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from tpedu.analysis.dryrun.figures import Comparison, DryRun, count_noun
 from tpedu.analysis.dryrun.predict_memory import model_shape
 from tpedu.analysis.memory import GB
+from tpedu.parallel.mesh import describe_coords
 
 
 def _fmt(x: float) -> str:
@@ -16,8 +17,6 @@ def _fmt(x: float) -> str:
 def format_table(run: DryRun) -> str:
     """The dry run of one rank as fixed-width text (deterministic: no timings)."""
     f, c, par = run.figures, run.config, run.parallel
-    t, p, d = f.coords
-    lay = par.layout
     blocks = ", ".join(f"{a}-{b - 1}" if b - a > 1 else f"{a}" for a, b in f.chunks)
     holds = (
         [f"block{'s' if f.blocks > 1 else ''} {blocks}"]
@@ -29,9 +28,8 @@ def format_table(run: DryRun) -> str:
     n = shape.n_params if shape else 0
     size = f", {n / 1e9:.2f}B parameters" if n >= 1e8 else f", {n:,} parameters" if n else ""
     lines = [
-        f"dry run: rank {f.rank} of {f.world} (tp {t}/{lay.tp}, pp {p}/{lay.pp}, dp {d}/{lay.dp}"
-        + (f", cp {lay.cp_rank(f.rank)}/{lay.cp}" if lay.cp > 1 else "")
-        + f"); holds {'; '.join(holds)}",
+        f"dry run: rank {f.rank} of {f.world} ({describe_coords(par.layout, f.rank)}); "
+        f"holds {'; '.join(holds)}",
         f"model: {arch}, {c.n_layers} layers, hidden {c.hidden}, {c.n_heads} heads"
         + (f" ({c.kv_heads} KV)" if c.kv_heads != c.n_heads else "")
         + f", vocab {c.vocab_size:,}, seq {c.seq_len}{size}",
@@ -123,10 +121,16 @@ def format_summary(runs: Sequence[DryRun]) -> str:
         state = (f.weights + f.gradients + f.optimizer + f.optimizer_steps) / GB
         rest = sum(abs(c.unexplained) for c in run.comparisons)
         lines.append(
-            f"{f.rank:>5} {f.coords[0]:>3} {f.coords[1]:>3} {f.coords[2]:>3} {f.params:>14,} "
+            f"{f.rank:>5} {f.coords['tp']:>3} {f.coords['pp']:>3} {f.coords['dp']:>3} {f.params:>14,} "
             f"{state:>21.3f} {f.activations / GB:>8.3f} {f.sent('tp') / 1e6:>11.1f} "
             f"{f.sent('pp') / 1e6:>9.1f} {f.sent('dp') / 1e6:>9.1f}"
             + (f" {f.sent('cp') / 1e6:>9.1f}" if cp else "")
             + f" {rest:>8,.0f}"
+        )
+    measured = [run.figures.rank for run in runs if run.measured_on is None]
+    if len(measured) < len(runs):
+        lines.append(
+            f"measured {count_noun(len(measured), 'rank')} ({', '.join(map(str, measured))}), "
+            "one per (pp, cp) class; every other rank has its class's figures (rank_class)"
         )
     return "\n".join(lines)

@@ -22,6 +22,7 @@ from torch import nn
 
 from tpedu.comm import collectives
 from tpedu.model.gpt import TPGPT
+from tpedu.model.options import RunOptions
 from tpedu.parallel.pipeline.schedules import Action, Event, action_parts, stage_layers
 
 
@@ -104,6 +105,9 @@ def run_schedule(
 
     Long because it is one loop over the actions: every send and receive of a step in the order
     they happen, which is what a schedule is (split, the order would be spread over helpers).
+
+    Many parameters because it takes a step apart (chunks, actions, pipe, data, fp16's scale,
+    DP's hook) as a lesson calls it; training passes them from one TrainStep.
     """
     p, s = pipe.stages, pipe.stage
     last_vs = p * len(chunks) - 1
@@ -209,15 +213,12 @@ def build_stage_chunks(
     stages: int,
     chunks: int = 1,
     split: str = "even",
-    **options: bool | str,
+    options: RunOptions | None = None,
 ) -> list[nn.Module]:
     """This rank's TPGPT chunks: chunk c holds the layers of virtual stage c·stages + stage
-    (`stage_layers(..., split)`); `options` are TPGPT's keyword arguments (sequence_parallel,
-    recompute, overlap_comm), e.g. `ParallelConfig.model_options()`."""
+    (`stage_layers(..., split)`); `options`: TPGPT's, e.g. `ParallelConfig.model_options()`."""
     parts = stage_layers(dense.config, stages * chunks, split)
-    return [
-        TPGPT(dense, tp_group, layers=parts[c * stages + stage], **options) for c in range(chunks)
-    ]
+    return [TPGPT(dense, tp_group, parts[c * stages + stage], options) for c in range(chunks)]
 
 
 def tied_params(chunks: Sequence[nn.Module]) -> list[nn.Parameter]:

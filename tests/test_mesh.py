@@ -1,0 +1,74 @@
+"""The rank grid's one description (`mesh.AXES`): coordinates, groups, group names and
+checkpoint file names all follow it."""
+
+import itertools
+
+import pytest
+
+from tpedu.checkpoint.index import shard_file
+from tpedu.parallel.config import ParallelConfig
+from tpedu.parallel.mesh import AXES, AXIS_NAMES, CHECKPOINT_AXES, Layout
+
+LAYOUTS = [Layout(), Layout(3, 1, 1), Layout(2, 3, 2), Layout(tp=2, pp=2, dp=3, cp=2)]
+
+
+def test_the_axes_in_rank_order():
+    assert AXIS_NAMES == ("tp", "cp", "pp", "dp")  # TP fastest: a TP group sits in one node
+    assert CHECKPOINT_AXES == ("tp", "pp", "dp")  # CP ranks hold the same tensors
+    assert [a.name for a in AXES if a.optional] == ["cp"]
+
+
+@pytest.mark.parametrize("lay", LAYOUTS, ids=str)
+def test_coordinates_follow_the_rank_formula(lay):
+    seen = set()
+    for r in range(lay.world):
+        c = lay.coords(r)
+        assert list(c) == list(AXIS_NAMES)
+        assert r == c["tp"] + lay.tp * (c["cp"] + lay.cp * (c["pp"] + lay.pp * c["dp"]))
+        assert lay.rank(**c) == r
+        seen.add(tuple(c.values()))
+    assert len(seen) == lay.world
+    with pytest.raises(ValueError, match="outside"):
+        lay.coords(lay.world)
+    with pytest.raises(ValueError, match="unknown axes"):
+        lay.rank(ep=0)
+
+
+@pytest.mark.parametrize("lay", LAYOUTS, ids=str)
+def test_each_axis_groups_the_ranks_that_differ_only_there(lay):
+    for axis in AXIS_NAMES:
+        groups = lay.axis_groups(axis)
+        assert sorted(itertools.chain(*groups)) == list(range(lay.world))  # a partition
+        for g in groups:
+            assert len(g) == lay.sizes[axis]
+            coords = [lay.coords(r) for r in g]
+            assert [c[axis] for c in coords] == list(range(lay.sizes[axis]))
+            for other in AXIS_NAMES:
+                if other != axis:
+                    assert len({c[other] for c in coords}) == 1
+
+
+def test_group_names_and_groups():
+    assert Layout(2, 2, 2).group_names() == ("tp", "pp", "dp", "emb")  # cp 1: no CP group
+    assert Layout(2, 1, 1, cp=2).group_names() == ("tp", "cp", "pp", "dp", "emb")
+    assert list(Layout(2, 1, 1, cp=2).groups()) == ["tp", "cp", "pp", "dp", "emb"]
+    assert Layout(2, 1, 1).groups()["emb"] == []  # one stage: nothing tied to sum
+    assert Layout(1, 3, 1).groups()["emb"] == [[0, 2]]
+
+
+def test_checkpoint_files_are_named_by_the_checkpoint_axes():
+    lay = Layout(tp=2, pp=2, dp=2, cp=2)
+    assert shard_file(lay.coords(lay.rank(tp=1, cp=1, pp=0, dp=1))) == "tp1-pp0-dp1.safetensors"
+    names = {shard_file(lay.coords(r)) for r in range(lay.world)}
+    assert len(names) == lay.world // lay.cp  # the CP ranks of one shard share its name
+
+
+def test_sizes_errors_and_the_parallel_config():
+    assert Layout(2, 3, 4, cp=5).sizes == {"tp": 2, "cp": 5, "pp": 3, "dp": 4}
+    assert ParallelConfig(tp=2, pp=3, dp=4, cp=5).layout == Layout(2, 3, 4, cp=5)
+    with pytest.raises(ValueError, match="cp must be a positive integer, got 0"):
+        ParallelConfig(cp=0)
+    with pytest.raises(ValueError, match=r"tp·cp·pp·dp = 2·2·1·1 = 4 does not match the world"):
+        Layout(2, cp=2).check_world(8)
+    with pytest.raises(ValueError, match=r"^tp·pp·dp = 2·1·1 = 2 does not match the world"):
+        Layout(2).check_world(4)
