@@ -10,11 +10,15 @@ training steps (forward, backward, gradient fix-ups, AdamW), alternating the var
 noise hits all; medians of the slowest rank. Variants on `world` ranks:
 
     TP          tp = world                     every rank holds every position
-    TP expl     the same, attention computed explicitly (the [s, s] scores, as the ring's
-                blocks are: RingAttention runs no fused kernel)
+    TP expl     the same, attention computed explicitly (the [s, s] scores written out)
     TP+SP       tp = world, sequence parallel  norms and dropout sites on s/tp positions
     CP zigzag   tp = world/cp, cp = 2 (cp = world on 2 ranks), ring attention, zig-zag layout
     CP contig   the same, contiguous layout    the last CP rank does the most attention
+
+Before them, causal attention alone (forward + backward of [1, 8, s, 64]) on 2 and 4 ranks: the
+heads split (fused SDPA, what TP runs) beside ring attention with each block through the flash
+kernel (tpedu.cp.blocks: only the part of a block its queries see) and written out, zig-zag
+and contiguous.
 
 Memory per rank: "act" is what autograd saves for backward during one forward (the largest over
 the ranks; tpedu.analysis.activation_memory.SavedTensorCounter), "peak" the growth of the
@@ -31,10 +35,13 @@ import argparse
 import contextlib
 import ctypes
 import dataclasses
+import statistics
+import time
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from harness import BACKEND, interleaved, load
 
 import tpedu
@@ -42,6 +49,7 @@ from tpedu.analysis.activation_memory import SavedTensorCounter
 from tpedu.analysis.memory import peak_rss_growth
 from tpedu.analysis.shape import ModelShape
 from tpedu.analysis.whatif import H100_SXM, long_context
+from tpedu.cp.ring import LAYOUTS, chunk_positions, ring_attention, split_sequence
 from tpedu.model.config import GPTConfig
 from tpedu.model.dense import DenseGPT
 from tpedu.model.gpt import TPGPT
@@ -157,6 +165,76 @@ def worker(seqs: list[int], reps: int, base: GPTConfig) -> list[dict]:
     return rows
 
 
+def attention_worker(s: int, heads: int, d: int, reps: int) -> dict[str, tuple[float, float]]:
+    """Causal attention alone, forward + backward of [1, heads, s, d] on this world's ranks:
+    the heads split over them (fused SDPA, what TP runs), and ring attention with the sequence
+    split, its blocks fused or written out, zig-zag and contiguous. Per variant (ms, medians):
+    the slowest rank's wall time, and the busiest rank's CPU time (what the step would take if
+    each rank had a core of its own: more ranks than cores hide an imbalance in wall time).
+    Collective."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, heads, s, d, generator=g) for _ in range(3))
+    positions = {lay: torch.stack([chunk_positions(s, world, r, lay) for r in range(world)])
+                 for lay in LAYOUTS}  # fmt: skip
+
+    def tp_step() -> None:
+        mine = [t[:, rank * heads // world : (rank + 1) * heads // world].requires_grad_()
+                for t in (q, k, v)]  # fmt: skip
+        F.scaled_dot_product_attention(*mine, is_causal=True).sum().backward()
+
+    def ring_step(layout: str, fused: bool) -> Callable[[], None]:
+        mine = [split_sequence(t, world, rank, layout) for t in (q, k, v)]
+
+        def step() -> None:
+            x = [t.detach().requires_grad_() for t in mine]
+            ring_attention(*x, positions[layout], fused=fused).sum().backward()
+
+        return step
+
+    steps = {"TP (SDPA)": tp_step}
+    for layout in LAYOUTS:
+        steps[f"ring fused {layout}"] = ring_step(layout, True)
+        steps[f"ring explicit {layout}"] = ring_step(layout, False)
+    cpu: dict[str, list[float]] = {k: [] for k in steps}
+
+    def timed(name: str) -> Callable[[], None]:
+        def run() -> None:
+            t = time.process_time()
+            steps[name]()
+            cpu[name].append(time.process_time() - t)
+
+        return run
+
+    wall = interleaved({k: timed(k) for k in steps}, reps, warmup=1)
+    busiest = torch.tensor([statistics.median(cpu[k][1:]) for k in steps], dtype=torch.float64)
+    dist.all_reduce(busiest, op=dist.ReduceOp.MAX)
+    return {k: (1e3 * wall[k], 1e3 * busiest[i].item()) for i, k in enumerate(steps)}
+
+
+def print_attention(s: int, heads: int, d: int, reps: int) -> None:
+    print(
+        f"\ncausal attention alone, forward + backward, [1, {heads}, {s}, {d}] fp32, "
+        "slowest rank, medians (ms)"
+    )
+    print(
+        f"{'ranks':>5} {'variant':<26} {'wall ms':>9} {'/ TP':>6} {'busiest CPU ms':>15} {'/ TP':>6}"
+    )
+    for world in (2, 4):
+        t = tpedu.launch(attention_worker, world, s, heads, d, reps, backend=BACKEND)[0]
+        tp = t["TP (SDPA)"]
+        for name, (ms, cpu) in t.items():
+            print(
+                f"{world:>5} {name:<26} {ms:>9.1f} {ms / tp[0]:>6.2f} {cpu:>15.1f} "
+                f"{cpu / tp[1]:>6.2f}"
+            )
+        zz, cont = t["ring fused zigzag"], t["ring fused contiguous"]
+        print(
+            f"{'':>5} contiguous / zig-zag, fused: wall {cont[0] / zz[0]:.2f}, "
+            f"busiest CPU {cont[1] / zz[1]:.2f}"
+        )
+
+
 def check_losses(world: int, row: dict) -> None:
     ref = row["loss"]["TP"]
     for name, loss in row["loss"].items():
@@ -219,6 +297,9 @@ def main() -> None:
     ap.add_argument("--seq", type=int, nargs="+", default=[256, 512, 1024, 2048])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--tiny", action="store_true", help="a tiny model: checks the code path only")
+    ap.add_argument(
+        "--attention-seq", type=int, default=2048, help="s of the attention-only part (0: skip)"
+    )
     args = ap.parse_args()
     c = TINY if args.tiny else CONFIG
     for world in args.world:
@@ -229,6 +310,9 @@ def main() -> None:
         f"batch {BATCH}, fp32, AdamW; torch {torch.__version__}, gloo, CPU ranks of 1 thread"
     )
     print(load())
+    if args.attention_seq:
+        s = 64 if args.tiny else args.attention_seq
+        print_attention(s, 8, 64, args.reps)
     for world in args.world:
         rows = tpedu.launch(worker, world, args.seq, args.reps, c, timeout=1800, backend=BACKEND)[0]
         print_rows(world, rows)

@@ -8,7 +8,9 @@ Part 1, measured (this machine's CPU ranks, one thread each, gloo): the benchmar
 by `--new` greedy tokens, with the cache (tpedu.serve: one token per forward) and without it
 (the whole text through the model for every token), alternating the two, medians of the
 slowest rank. Both give the same tokens (checked). Then the latency of a prefill of a
-256-token prompt beside one decode step (a one-token forward against that cache).
+256-token prompt beside one decode step (a one-token forward against that cache), and at
+tp > 1 what the α-β model (fitted to all-reduces timed on these ranks just before) gives the
+step's 2·layers + 1 all-reduces of b·H values: the part of a step that is communication.
 
 Part 2, predicted: one decode step of a batch of b sequences on a GPU, per TP rank, reads its
 share of the weights (bf16: 2·N/tp bytes) and of the KV cache, and runs 2·layers + 1
@@ -35,6 +37,7 @@ from harness import BACKEND, CONFIG, TINY, interleaved, load, slowest
 import tpedu
 from tpedu.analysis.shape import ModelShape
 from tpedu.analysis.whatif import HARDWARE, HBM_BANDWIDTH, decode_prediction
+from tpedu.comm import cost_model
 from tpedu.model import GPTConfig
 from tpedu.model.dense import DenseGPT
 from tpedu.model.gpt import TPGPT
@@ -77,7 +80,19 @@ def worker(config: GPTConfig, new: int, reps: int, prefill_len: int) -> dict[str
         "same": runs[True] == runs[False],
         "prefill": sorted(pre[1:])[len(pre[1:]) // 2],
         "step": sorted(step[8:])[len(step[8:]) // 2],
+        "comm": decode_all_reduces(config),
     }
+
+
+def decode_all_reduces(config: GPTConfig) -> float:
+    """Seconds the α-β model gives one decode step's 2·layers + 1 all-reduces of b·H fp32
+    values (b = 1), with α and β fitted to all-reduces timed here just now. Collective."""
+    t = torch.distributed.get_world_size()
+    if t == 1:
+        return 0.0
+    message = 4 * config.hidden
+    ab = cost_model.fit(cost_model.measure("all_reduce", [message, 16 * message, 256 * message]))
+    return (2 * config.n_layers + 1) * ab.predict("all_reduce", message, t)
 
 
 def main() -> None:
@@ -99,14 +114,16 @@ def main() -> None:
     print(load())
     print(
         f"{'tp':>3} {'cache tok/s':>12} {'recompute tok/s':>16} {'ratio':>6} "
-        f"{f'prefill {prefill_len} ms':>16} {'per-token ms':>13} {'same tokens':>12}"
+        f"{f'prefill {prefill_len} ms':>16} {'per-token ms':>13} {'(2L+1) AR α-β ms':>17} "
+        f"{'same tokens':>12}"
     )
     for tp in a.tp:
         r = tpedu.launch(worker, tp, config, a.new, a.reps, prefill_len, backend=BACKEND)[0]
         print(
             f"{tp:>3} {a.new / r['cache']:>12.1f} {a.new / r['recompute']:>16.1f} "
             f"{r['recompute'] / r['cache']:>6.1f} {1e3 * r['prefill']:>16.2f} "
-            f"{1e3 * r['step']:>13.2f} {'✓' if r['same'] else '✗':>12}"
+            f"{1e3 * r['step']:>13.2f} {1e3 * r['comm']:>17.2f} "
+            f"{'✓' if r['same'] else '✗':>12}"
         )
     print(load())
     shape = ModelShape()  # 6.6B: h 4096, 32 layers and heads, vocab 50,000

@@ -60,7 +60,7 @@ def _blocks_ring_attention_computes(s: int, layout: str) -> list[tuple[int, int]
     k[..., 0] = positions[rank].double()
     ring_module.block_scores = spy
     try:
-        ring_attention(q, k, v, positions)
+        ring_attention(q, k, v, positions, fused=False)  # the written-out blocks
     finally:
         ring_module.block_scores = original
     return seen

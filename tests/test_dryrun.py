@@ -239,8 +239,9 @@ def test_cli_dry_runs_context_parallel_layouts(capfd):
         *"--rank all".split(),
     )
     assert code == 0, err
-    head, _, *rows = out.strip().splitlines()
+    head, _, *rows, footer = out.strip().splitlines()
     assert head.split()[-2] == "cp" and [int(r.split()[0]) for r in rows] == list(range(8))
+    assert footer.startswith("measured 2 ranks (0, 2), one per (pp, cp) class")
     assert all(float(r.split()[-2]) > 0 and r.split()[-1] == "0" for r in rows)
 
 

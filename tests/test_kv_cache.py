@@ -30,9 +30,9 @@ CONFIGS = {
 PROMPTS = [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10, 11, 12, 13, 14]]
 
 
-def tp_model(config):
+def tp_model(config, fused=True):
     torch.manual_seed(0)
-    return TPGPT(DenseGPT(config).double()).double().eval()
+    return TPGPT(DenseGPT(config, fused_attention=fused).double()).double().eval()
 
 
 def full(model, logits):
@@ -46,7 +46,7 @@ def full(model, logits):
 def cached_vs_recomputed(name, steps=8):
     """Greedy decoding of each prompt alone, with and without the cache: (max logit difference
     over every step, cached tokens, recomputed tokens) per prompt."""
-    model = tp_model(CONFIGS[name])
+    model = tp_model(CONFIGS[name.removesuffix("-explicit")], fused=not name.endswith("-explicit"))
     gen = torch.Generator()
     out = []
     for prompt in PROMPTS:
@@ -67,7 +67,7 @@ def cached_vs_recomputed(name, steps=8):
     return out
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama"])
+@pytest.mark.parametrize("name", ["gpt2", "llama", "llama-explicit"])  # explicit: scores, no SDPA
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_cached_decoding_equals_recomputing_the_window(name, tp):
     results = launch(cached_vs_recomputed, tp, name)

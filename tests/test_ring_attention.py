@@ -1,9 +1,12 @@
-"""Ring attention (tpedu.cp.ring) and Ulysses (tpedu.cp.ulysses) == dense causal attention, forward and backward, at cp 1, 2, 3,
-4, contiguous and zig-zag, MHA and GQA, in float64 (the same arithmetic up to summation order:
+"""Ring attention (tpedu.cp.ring, its blocks through the flash kernel and written out) and
+Ulysses (tpedu.cp.ulysses) == dense causal attention, forward and backward, at cp 1, 2, 3, 4,
+contiguous and zig-zag, MHA and GQA, in float64 (the same arithmetic up to summation order:
 ~1e-15 relative, 1e-12 asserted) and float32 (each block's softmax and the merge add rounding
 of order 1e-7 per block; 1e-5 asserted)."""
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
@@ -12,6 +15,7 @@ import torch.nn.functional as F
 
 from tpedu import launch
 from tpedu.comm.tracer import CommTracer
+from tpedu.cp.blocks import visible
 from tpedu.cp.ring import check_cp_length, chunk_positions, ring_attention, split_sequence
 from tpedu.cp.ulysses import ulysses_attention
 
@@ -22,7 +26,9 @@ def _dense(q, k, v):
     return F.scaled_dot_product_attention(q, kx, vx, is_causal=True)
 
 
-def _ring_vs_dense(nq: int, nkv: int, s: int, layout: str, dtype: torch.dtype, attention=None):
+def _ring_vs_dense(
+    nq: int, nkv: int, s: int, layout: str, dtype: torch.dtype, attention=None, fused=None
+):
     cp, rank = dist.get_world_size(), dist.get_rank()
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, n, s, 8, generator=g, dtype=dtype) for n in (nq, nkv, nkv))
@@ -34,7 +40,7 @@ def _ring_vs_dense(nq: int, nkv: int, s: int, layout: str, dtype: torch.dtype, a
     positions = torch.stack([chunk_positions(s, cp, r, layout) for r in range(cp)])
     mine = [split_sequence(t.detach(), cp, rank, layout).requires_grad_() for t in (q, k, v)]
     with CommTracer() as trace:
-        got = (attention or ring_attention)(*mine, positions)
+        got = (attention or functools.partial(ring_attention, fused=fused))(*mine, positions)
         got.backward(split_sequence(dout, cp, rank, layout))
     diffs = {
         "out": (got - split_sequence(want.detach(), cp, rank, layout)).abs().max().item(),
@@ -46,21 +52,42 @@ def _ring_vs_dense(nq: int, nkv: int, s: int, layout: str, dtype: torch.dtype, a
     return diffs, trace.summary()
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "explicit"])
 @pytest.mark.parametrize("cp", [1, 2, 3, 4])
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
 @pytest.mark.parametrize(("nq", "nkv"), [(4, 4), (4, 2)], ids=["mha", "gqa"])
-def test_ring_attention_equals_dense_causal_attention(cp, layout, nq, nkv):
+def test_ring_attention_equals_dense_causal_attention(cp, layout, nq, nkv, fused):
     s = 24  # divisible by cp and 2·cp for cp = 1, 2, 3 (and 4: 8, 24)
     s = 48 if cp == 4 else s
     for rank, (diffs, _) in enumerate(
-        launch(_ring_vs_dense, cp, nq, nkv, s, layout, torch.float64)
+        launch(_ring_vs_dense, cp, nq, nkv, s, layout, torch.float64, fused=fused)
     ):
         assert max(diffs.values()) < 1e-12, f"cp={cp} {layout} rank {rank}: {diffs}"
 
 
-def test_ring_attention_in_float32():
-    for diffs, _ in launch(_ring_vs_dense, 4, 4, 2, 32, "zigzag", torch.float32):
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "explicit"])
+def test_ring_attention_in_float32(fused):
+    for diffs, _ in launch(_ring_vs_dense, 4, 4, 2, 32, "zigzag", torch.float32, fused=fused):
         assert max(diffs.values()) < 1e-5, diffs
+
+
+def _kinds(s: int, cp: int, layout: str) -> list[list[str]]:
+    """visible()'s kind of every (rank, owner) block."""
+    pos = [chunk_positions(s, cp, r, layout) for r in range(cp)]
+    return [[visible(pos[r], pos[o]).kind for o in range(cp)] for r in range(cp)]
+
+
+def test_which_part_of_a_block_the_fused_kernel_computes():
+    # contiguous: the past whole, the diagonal causal, the future skipped
+    assert _kinds(16, 4, "contiguous")[2] == ["all", "all", "causal", "none"]
+    # zig-zag: every off-diagonal block is half a block (queries or keys), none is skipped
+    kinds = _kinds(16, 4, "zigzag")
+    for r in range(4):
+        for o in range(4):  # earlier owners: their first chunk; later: only our second chunk
+            assert kinds[r][o] == ("cols" if o < r else "rows" if o > r else "causal")
+    pos = chunk_positions(8, 2, 0, "zigzag")  # rank 0: positions 0, 1, 6, 7
+    assert visible(pos, chunk_positions(8, 2, 1, "zigzag")).rows == slice(2, 4)  # 6, 7 see 2..5
+    assert visible(torch.tensor([0, 2]), torch.tensor([1, 3])).kind == "mask"  # irregular
 
 
 def test_the_ring_sends_kv_heads_cp_minus_1_times_forward():

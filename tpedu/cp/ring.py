@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from tpedu.comm import collectives
+from tpedu.cp.blocks import Visible, block_backward, block_forward, kernel_available, visible
 from tpedu.tp.sharding import divisors
 
 LAYOUTS = ("contiguous", "zigzag")
@@ -127,12 +128,21 @@ class Ring:
         return works, bufs
 
 
+def _mask(pos: torch.Tensor, rank: int, owner: int, seen: Visible | None) -> torch.Tensor:
+    """[sq, sk] True where this rank's query sees the owner's key (causal, global positions)."""
+    if seen is not None and seen.mask is not None:
+        return seen.mask.to(pos.device)
+    return pos[rank][:, None] >= pos[owner][None, :]
+
+
 class RingAttention(torch.autograd.Function):
     """Causal attention of this rank's queries over the whole ring's keys and values.
 
     q [b, nq, s/cp, d], k and v [b, nkv, s/cp, d] (this rank's positions, `positions[rank]`),
     positions [cp, s/cp] (every rank's global positions, the same on every rank) -> [b, nq, s/cp, d].
     Forward: cp − 1 sends/receives of (k, v). Backward: cp − 1 of (k, v) and cp of (dk, dv).
+    fused: each block through the flash kernel, only its seen part (tpedu.cp.blocks); else
+    the explicit [s/cp, s/cp] scores written out below, the lesson's reference.
     """
 
     @staticmethod
@@ -143,30 +153,47 @@ class RingAttention(torch.autograd.Function):
         v: torch.Tensor,
         positions: torch.Tensor,
         group: dist.ProcessGroup | None,
+        fused: bool,
     ) -> torch.Tensor:
         ring = Ring(group)
         rank = dist.get_rank(group) if group is not None else dist.get_rank()
         groups, scale = q.shape[1] // k.shape[1], 1.0 / math.sqrt(q.shape[-1])
         # meta tensors (the dry run) have no values: which blocks to skip is decided on the CPU
-        pos = positions if q.device.type == "meta" else positions.to(q.device)
+        pos = positions.cpu() if q.device.type == "meta" else positions.to(q.device)
         out = torch.zeros_like(q)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
-        kv = [k, v]
+        kv, started, seen_all = [k, v], False, []
         for i in range(ring.cp):
             owner = (rank - i) % ring.cp
             works, nxt = ring.start(kv) if i < ring.cp - 1 else ([], None)
-            mask = pos[rank][:, None] >= pos[owner][None, :]
-            if mask.any():  # a block entirely in the queries' future adds nothing
-                scores = block_scores(q, _expand(kv[0], groups), mask, scale)
+            seen = visible(pos[rank].cpu(), pos[owner].cpu()) if fused else None
+            seen_all.append(seen)
+            kx, vx = _expand(kv[0], groups), _expand(kv[1], groups)
+            if seen is not None and seen.kind == "none":
+                pass  # a block entirely in the queries' future adds nothing
+            elif seen is not None and seen.kind != "mask":
+                r = seen.rows
+                out_b, lse_b = block_forward(q, kx, vx, seen, scale)
+                out_b, lse_b = out_b.to(q.dtype), lse_b.to(q.dtype)
+                if not started and r == slice(None):  # the first block: nothing to merge with
+                    out, lse = out_b, lse_b
+                else:
+                    out[:, :, r], lse[:, :, r] = merge_partials(
+                        out[:, :, r], lse[:, :, r], out_b, lse_b
+                    )
+                started = True
+            elif (mask := _mask(pos, rank, owner, seen)).any():  # else: in the future, skipped
+                scores = block_scores(q, kx, mask, scale)
                 lse_b = torch.logsumexp(scores, dim=-1)
                 safe = torch.where(torch.isinf(lse_b), 0.0, lse_b)  # rows with no key here
-                out_b = torch.matmul(torch.exp(scores - safe[..., None]), _expand(kv[1], groups))
+                out_b = torch.matmul(torch.exp(scores - safe[..., None]), vx)
                 out, lse = merge_partials(out, lse, out_b, lse_b)
+                started = True
             for w in works:
                 w.wait()
             kv = nxt if nxt is not None else kv
         ctx.save_for_backward(q, k, v, out, lse, pos)
-        ctx.group = group
+        ctx.group, ctx.seen = group, seen_all
         return out
 
     @staticmethod
@@ -175,16 +202,26 @@ class RingAttention(torch.autograd.Function):
         ring = Ring(ctx.group)
         rank = dist.get_rank(ctx.group) if ctx.group is not None else dist.get_rank()
         groups, scale = q.shape[1] // k.shape[1], 1.0 / math.sqrt(q.shape[-1])
-        delta = (grad_out * out).sum(-1, keepdim=True)  # D = rowsum(dO ∘ O)
+        # D = rowsum(dO ∘ O) for the explicit blocks (the fused kernel works it out itself)
+        explicit = any(seen is None or seen.kind == "mask" for seen in ctx.seen)
+        delta = (grad_out * out).sum(-1, keepdim=True) if explicit else None
         dq = torch.zeros_like(q)
         kv, dkv = [k, v], [torch.zeros_like(k), torch.zeros_like(v)]  # of one owner's block
         for i in range(ring.cp):
             owner = (rank - i) % ring.cp
             # k and v do not change here: they are on their way on while this block computes
             works, next_kv = ring.start(kv) if i < ring.cp - 1 else ([], kv)
-            mask = pos[rank][:, None] >= pos[owner][None, :]
-            if mask.any():
-                kx, vx = _expand(kv[0], groups), _expand(kv[1], groups)
+            seen = ctx.seen[i]  # as in forward
+            kx, vx = _expand(kv[0], groups), _expand(kv[1], groups)
+            if seen is not None and seen.kind == "none":
+                pass  # a block entirely in the queries' future adds nothing
+            elif seen is not None and seen.kind != "mask":
+                r, c = seen.rows, seen.cols
+                dq_b, dk_b, dv_b = block_backward(grad_out, q, kx, vx, out, lse, seen, scale)
+                dq[:, :, r] += dq_b
+                dkv[0][:, :, c] += _fold(dk_b, groups)
+                dkv[1][:, :, c] += _fold(dv_b, groups)
+            elif (mask := _mask(pos, rank, owner, seen)).any():
                 p = torch.exp(
                     block_scores(q, kx, mask, scale) - lse[..., None]
                 )  # the softmax block
@@ -199,7 +236,7 @@ class RingAttention(torch.autograd.Function):
             for w in works:
                 w.wait()
             kv = next_kv
-        return dq, dkv[0], dkv[1], None, None
+        return dq, dkv[0], dkv[1], None, None, None
 
 
 def ring_attention(
@@ -208,6 +245,9 @@ def ring_attention(
     v: torch.Tensor,
     positions: torch.Tensor,
     group: dist.ProcessGroup | None = None,
+    fused: bool | None = None,
 ) -> torch.Tensor:
-    """Causal attention with the sequence split over the ranks of `group` (see RingAttention)."""
-    return RingAttention.apply(q, k, v, positions, group)
+    """Causal attention with the sequence split over the ranks of `group` (see RingAttention).
+    fused: None (default) where the kernel runs (CPU, meta: `blocks.kernel_available`)."""
+    fused = kernel_available(q) if fused is None else fused
+    return RingAttention.apply(q, k, v, positions, group, fused)

@@ -285,6 +285,7 @@ class TPGPT(nn.Module):
         """
         if cache is not None:
             self._check_cache(cache, inputs)
+            cache.begin(inputs.shape[1])  # positions and mask, once for every layer
         sp = self.sequence_parallel
         positions = self._cp_positions(inputs.shape[1]) if self.cp > 1 else None
         if self.first:  # vocab-parallel: 1 all-reduce (SP: 1 reduce-scatter)
@@ -297,7 +298,7 @@ class TPGPT(nn.Module):
                     None if positions is None else positions[dist.get_rank(self.cp_group)].clone()
                 )
                 if cache is not None:
-                    mine = cache.positions(inputs.shape[1])  # [b, s]
+                    mine = cache.step.positions  # [b, s]
                 x = embed(self, inputs, step, mine)
         else:
             x = inputs

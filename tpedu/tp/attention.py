@@ -46,7 +46,7 @@ from torch.utils.checkpoint import checkpoint
 from tpedu.comm import collectives
 from tpedu.tp.dense import ATTENTION_DROPOUT_SITE, DenseAttention, attend
 from tpedu.tp.dropout import derive_seed, index_dropout
-from tpedu.tp.kv_cache import LayerCache, check_cache_usable
+from tpedu.tp.kv_cache import LayerCache
 from tpedu.tp.layers import RowParallelLinear, column_parallel_linear
 from tpedu.tp.rope import apply_rope
 from tpedu.tp.sequence_parallel import all_gather_linear
@@ -246,9 +246,6 @@ class ParallelAttention(nn.Module):
         position up to their own. Still 1 all-reduce of b·s·H (s = 1 per decoded token).
         """
         nq, nkv, d = len(self.q_heads), len(self.kv_heads), self.head_dim
-        if cache is not None:
-            cp = 1 if self.cp_group is None else dist.get_world_size(self.cp_group)
-            check_cache_usable(self.training, self.sequence_parallel, cp)
         if self.sequence_parallel:  # all-gather the sequence; backward: reduce-scatter
             qkv = all_gather_linear(x, [self.qkv.weight], [self.qkv.bias], self.group)[0]
         else:
@@ -266,11 +263,11 @@ class ParallelAttention(nn.Module):
         v = v.view(b, s, nkv, d).transpose(1, 2)
         mine = None if positions is None else positions[dist.get_rank(self.cp_group)]
         if cache is not None:  # [b, s]: each sequence's own positions
-            mine = cache.positions(s)
+            mine = cache.positions()
         if self.rope_theta is not None:
             q, k = apply_rope(q, self.rope_theta, mine), apply_rope(k, self.rope_theta, mine)
         if cache is not None:
-            k, v, mask = cache.update(k, v, mine)  # [b, nkv_r, L, d], mask [b, 1, s, L]
+            k, v, mask = cache.update(k, v)  # [b, nkv_r, L, d], mask [b, 1, s, L] or None
             return self.out(self._cached_core(q, k, v, mask))
         if positions is not None:  # context parallel: the core spans every CP rank's positions
             out = self.cp_attention(q, k, v, positions, self.cp_group)
@@ -306,10 +303,11 @@ class ParallelAttention(nn.Module):
         return out.transpose(1, 2).reshape(b, s, nq * d)  # heads stay in rank order
 
     def _cached_core(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
     ) -> torch.Tensor:
         """Attention of s new queries q [b, nq/t, s, d] over the cached k, v [b, nkv_r, L, d];
-        mask [b, 1, s, L] (True: visible) -> [b, s, nq/t·d]. No communication, no dropout."""
+        mask [b, 1, s, L] (True: visible; None: every slot) -> [b, s, nq/t·d]. No communication,
+        no dropout. The caller (TPGPT) checks once per forward that a cache can be used."""
         b, nq, s, d = q.shape
         if nq != k.shape[1]:
             k = k.repeat_interleave(nq // k.shape[1], dim=1)
@@ -317,7 +315,9 @@ class ParallelAttention(nn.Module):
         if self.fused:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         else:
-            scores = (q @ k.transpose(-2, -1) / d**0.5).masked_fill(~mask, float("-inf"))
+            scores = q @ k.transpose(-2, -1) / d**0.5
+            if mask is not None:
+                scores = scores.masked_fill(~mask, float("-inf"))
             out = scores.softmax(dim=-1) @ v
         return out.transpose(1, 2).reshape(b, s, nq * d)
 

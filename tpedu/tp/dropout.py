@@ -16,6 +16,7 @@ stays below 2⁶³, so there is no integer overflow and the bits are the same on
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -60,6 +61,7 @@ def _mix63(a: int) -> int:
     return ((h2 << 32) | h1) & (2**63 - 1)
 
 
+@functools.lru_cache(maxsize=4096)  # pure, and asked for at every site of every forward
 def derive_seed(base: int, *keys: int) -> int:
     """A seed for one call site, e.g. derive_seed(base, layer_id, site, step): differs per key."""
     s = _mix63(base)

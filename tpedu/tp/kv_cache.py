@@ -74,6 +74,7 @@ class KVCache:
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.lengths = torch.zeros(batch, dtype=torch.int64, device=device)
         self.capacity = capacity
+        self.step: Step | None = None  # the forward being served (`begin`)
 
     @classmethod
     def for_model(cls, model: nn.Module, batch: int, capacity: int | None = None) -> KVCache:
@@ -115,12 +116,27 @@ class KVCache:
             )
         return pos
 
+    def begin(self, s: int) -> Step:
+        """Before a forward of s new tokens per sequence: what every layer writes and attends
+        with, worked out once, not once per layer (`Step`)."""
+        pos = self.positions(s)
+        lengths = self.lengths.tolist()
+        filled = int(pos.max()) + 1
+        start = lengths[0] if len(set(lengths)) == 1 else None  # one length: slices, no indexing
+        if start is not None and s == 1:
+            mask = None  # one query at the newest position sees every filled slot
+        else:
+            mask = torch.arange(filled, device=pos.device) <= pos[:, None, :, None]
+        self.step = Step(pos, filled, start, mask)
+        return self.step
+
     def layer(self, i: int) -> LayerCache:
         return LayerCache(self, i)
 
     def advance(self, s: int) -> None:
         """Every sequence has s more positions filled (after a forward of s tokens)."""
         self.lengths += s
+        self.step = None
 
     def truncate(self, lengths: torch.Tensor | list[int]) -> None:
         """Keep only the first lengths[i] positions of sequence i (after a right-padded
@@ -142,6 +158,21 @@ class KVCache:
         return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
 
 
+@dataclass(frozen=True)
+class Step:
+    """One forward's view of the cache, the same for every layer (KVCache.begin).
+
+    positions [b, s]: the new tokens' positions; filled: slots 0 .. filled-1 are in use after
+    the write (L); start: the common length when every sequence has it (the write is then a
+    slice), else None; mask [b, 1, s, L] (True: the query at position p sees slot j <= p), or
+    None when every query sees every filled slot (one new token, one length)."""
+
+    positions: torch.Tensor
+    filled: int
+    start: int | None
+    mask: torch.Tensor | None
+
+
 @dataclass
 class LayerCache:
     """One layer's view of a KVCache: attention reads its positions and writes its K and V."""
@@ -149,20 +180,22 @@ class LayerCache:
     cache: KVCache
     index: int
 
-    def positions(self, s: int) -> torch.Tensor:
-        return self.cache.positions(s)
+    def positions(self) -> torch.Tensor:
+        """[b, s]: the positions of this forward's new tokens (KVCache.begin)."""
+        return self.cache.step.positions
 
     def update(
-        self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Write k, v [b, nkv_r, s, d] at `positions` [b, s]; return every filled slot's
+        self, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Write k, v [b, nkv_r, s, d] at this forward's positions; return every filled slot's
         (k, v) [b, nkv_r, L, d] (L = the longest sequence's positions so far) and the mask
-        [b, 1, s, L] (True: the query at position p sees slot j <= p)."""
-        ck, cv = self.cache.k[self.index], self.cache.v[self.index]
-        rows = torch.arange(k.shape[0], device=k.device)[:, None]  # [b, 1] with positions [b, s]
-        ck[rows, :, positions] = k.transpose(1, 2)  # indexed [b, s, nkv_r, d]
-        cv[rows, :, positions] = v.transpose(1, 2)
-        filled = int(positions.max()) + 1
-        slots = torch.arange(filled, device=k.device)
-        mask = slots <= positions[:, None, :, None]  # [b, 1, s, L]
-        return ck[:, :, :filled], cv[:, :, :filled], mask
+        [b, 1, s, L] or None (`Step`)."""
+        step, ck, cv = self.cache.step, self.cache.k[self.index], self.cache.v[self.index]
+        if step.start is not None:  # every sequence at the same length: a slice
+            ck[:, :, step.start : step.start + k.shape[2]] = k
+            cv[:, :, step.start : step.start + v.shape[2]] = v
+        else:
+            rows = torch.arange(k.shape[0], device=k.device)[:, None]  # [b, 1] with [b, s]
+            ck[rows, :, step.positions] = k.transpose(1, 2)  # indexed [b, s, nkv_r, d]
+            cv[rows, :, step.positions] = v.transpose(1, 2)
+        return ck[:, :, : step.filled], cv[:, :, : step.filled], step.mask
