@@ -80,15 +80,10 @@ def run(dp: int, reps: int, config: GPTConfig = CONFIG) -> dict:
             "loss": loss,
             "sent": t.wire_bytes() / 4,  # fp32 elements this rank sent
             "params": params,
-            # whole parameters held after the step, plus the fp32 shards AdamW updates
-            "weights": reducer.gathered_bytes() + 4 * sum(b.n for b in reducer.buffers)
-            if sharded
-            else 4 * params,
-            # the shards' means, and ZeRO-1's whole local gradients beside them
-            "grads": 4 * sum(b.shard.grad.numel() for b in reducer.buffers)
-            + (4 * params if v == "zero1" else 0)
-            if sharded
-            else 4 * params,
+            # the storages held after the step, each once (ZeRO-1/2's shards are views of the
+            # whole parameters, ZeRO-1's shard means views of its whole gradient buffer)
+            "weights": reducer.weight_bytes() if sharded else 4 * params,
+            "grads": reducer.grad_bytes() if sharded else 4 * params,
             "state": 4 * (reducer.state_numel() if sharded else 2 * params),
             "peak": max(reducer.peak_gathered, reducer.gathered_bytes()) if sharded else 4 * params,
             "formula": formula(v, reducer, params, dp),
@@ -135,9 +130,9 @@ def main() -> None:
         "(N-1)/N·(2 + Ψ_blocks/Ψ): the root's all-gather is not repeated in backward"
     )
     print(
-        "weights: whole parameters held after the step plus the fp32 shards (ZeRO-1/2 keep both: "
-        "their shards copy 1/N of the fp32 parameters); grads: ZeRO-1 keeps the whole local "
-        "gradients beside its shards' means; peak: whole parameters at once in the step"
+        "weights, grads: the storages held after the step, each once (ZeRO-1/2 step their "
+        "shards in place in the whole parameters; ZeRO-1's shard means lie in its whole gradient "
+        "buffer); peak: whole parameters at once in the step"
     )
 
 

@@ -81,6 +81,7 @@ def one_step(level: int, dp: int, prefetch: bool = True, cfg: TrainConfig | None
         model(x, y).backward()
         sdp.finish()
         full_grads = [p.grad is not None for p in model.parameters()]
+        grad_bytes = sdp.grad_bytes()
         sdp.step()
     blocks = [b for u in sdp.blocks for b in u.buffers]
     roots = [b for u in sdp.roots for b in u.buffers]
@@ -93,6 +94,8 @@ def one_step(level: int, dp: int, prefetch: bool = True, cfg: TrainConfig | None
         "state": sdp.state_numel(),
         "full_grads": any(full_grads),
         "at_rest": at_rest,
+        "weight_bytes": sdp.weight_bytes(),
+        "grad_bytes": grad_bytes,
         "after_step": sdp.gathered_bytes(),
         "peak": sdp.peak_gathered,
         "block_bytes": sum(b.nbytes for b in sdp.blocks[0].buffers),
@@ -112,9 +115,10 @@ def test_traffic_and_memory_per_rank_equal_the_formulas(dp):
     """Elements per step: ZeRO-1 and -2 reduce-scatter and all-gather Ψ (padded to N per
     buffer): DP's all-reduce of Ψ, in two halves, the same bytes on the wire; ZeRO-3
     all-gathers the blocks a second time in backward. Memory: AdamW states are 1/N on every
-    rank, and the gradients' means (ZeRO-1 keeps the whole local gradients too; with ZeRO-2/3
-    none survives finish()); ZeRO-3 holds no whole parameter at rest, and at most the root
-    (embeddings, head) and two blocks (the current and the prefetched one) during the step."""
+    rank, and the gradients' means (ZeRO-1 keeps the whole local gradients too, the means in
+    place among them; with ZeRO-2/3 none survives finish()); no byte is held twice; ZeRO-3
+    holds no whole parameter at rest, and at most the root (embeddings, head) and two blocks
+    (the current and the prefetched one) during the step."""
     z1, z2, z3 = (launch(one_step, dp, level, dp)[0] for level in (1, 2, 3))
     for z in (z1, z2, z3):
         assert z["psi"] <= z["padded"] < z["psi"] + 8 * dp  # ≤ N-1 pad elements per buffer
@@ -132,6 +136,11 @@ def test_traffic_and_memory_per_rank_equal_the_formulas(dp):
     ratio = (z3["rs"] + z3["ag"]) / (z2["rs"] + z2["ag"])
     assert ratio == pytest.approx(1 + z3["padded_blocks"] / (2 * z3["padded"]))
     assert z1["at_rest"] == z2["at_rest"] == 8 * z2["padded"]  # float64: whole parameters
+    # No second copy: ZeRO-1/2's shards are slices of the whole parameters, ZeRO-1's shard
+    # means slices of its one whole gradient buffer; ZeRO-3 holds its shards alone at rest
+    assert z1["weight_bytes"] == z2["weight_bytes"] == 8 * z2["padded"]
+    assert z1["grad_bytes"] == 8 * z1["padded"]
+    assert z2["grad_bytes"] == z3["grad_bytes"] == z3["weight_bytes"] == 8 * z3["shard"]
     assert z3["at_rest"] == z3["after_step"] == 0
     assert z3["peak"] == z3["root_bytes"] + 2 * z3["block_bytes"]
 

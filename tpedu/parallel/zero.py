@@ -15,13 +15,21 @@ and vectors get separate buffers, so AdamW's weight decay applies to whole shard
 parameter is a view into its buffer: one all-gather into the buffer updates (ZeRO-1/2) or
 restores (ZeRO-3) all of the unit's parameters at once.
 
+No second fp32 copy. Under ZeRO-1 and -2 the shard AdamW steps *is* this rank's slice of the
+buffer (a view), so the weights cost 4 bytes per parameter (fp32), padding apart, as in
+Megatron-LM's distributed optimizer. Only ZeRO-3 (whose buffer is freed between uses) and a
+`gather_dtype` (whose replicas are rounded, while the shard must not be) keep the shard apart.
+
 Per step:
-  ZeRO-1  backward: as a buffer's gradients complete, an async reduce-scatter hands each owner
-          the sum of its elements (then /N into shard.grad); the full gradients stay (this
-          rank's own, not the DP mean: that is only in the shards), as Megatron-LM's
-          distributed optimizer keeps its whole gradient buffer.
-          step(): AdamW on the shards, then one all-gather per buffer refreshes every replica.
-  ZeRO-2  the same, but the full gradients are dropped once reduce-scattered.
+  ZeRO-1  the gradients live in a flat buffer too, laid out like the parameters' (each .grad a
+          view, accumulated into in place). Backward: as a buffer's gradients complete, an
+          async reduce-scatter writes the sum of this rank's elements into its own slice of
+          that buffer, in place (then /N): shard.grad is that slice. The rest of the buffer
+          keeps this rank's own gradients, as Megatron-LM's distributed optimizer keeps its
+          whole gradient buffer: 4 bytes per parameter of gradients.
+          step(): AdamW on the shards (in the buffer), then one in-place all-gather per buffer
+          brings every other rank's new shard.
+  ZeRO-2  the gradients per parameter, dropped once reduce-scattered: shard.grad alone stays.
   ZeRO-3  at rest a block keeps only its shard (the buffer's storage is resized to 0; autograd's
           saved views of it stay valid and see the data again once it is re-gathered). Before a
           block's forward its buffers are all-gathered (and the next block's all-gather is
@@ -60,9 +68,10 @@ class FlatBuffer:
     """Parameters (one unit, one weight-decay class) flattened into one buffer, N-way sharded.
 
     full [N·n]: the parameters are views into it; shard [n]: this rank's slice, what AdamW
-    updates; grad_weight [n]: 1 / (ranks holding a copy) per element, 0 for padding and for
-    elements the gradient norm leaves out (a tied head's second copy). `keep_grads` (ZeRO-1):
-    the parameters' whole .grad stay after the reduce-scatter. `log`: set it to a list to
+    updates (a view of full at level 1 and 2 without a gather_dtype, else a copy); grads
+    [N·n] (level 1 only): the parameters' .grad are views into it, shard.grad its slice;
+    grad_weight [n]: 1 / (ranks holding a copy) per element, 0 for padding and for elements the
+    gradient norm leaves out (a tied head's second copy). `log`: set it to a list to
     record ("gather" | "free", self, perf_counter()) when the buffer's memory comes and goes
     (lesson 12's timeline)."""
 
@@ -74,10 +83,9 @@ class FlatBuffer:
         reduce_dtype: torch.dtype | None,
         decayed: bool,
         gather_dtype: torch.dtype | None = None,
-        keep_grads: bool = False,
+        level: int = 2,
     ) -> None:
         self.params, self.group, self.reduce_dtype = params, group, reduce_dtype
-        self.keep_grads = keep_grads
         self.gather_dtype = gather_dtype  # all-gather in this dtype (then widened), or as is
         self.narrow: torch.Tensor | None = None  # the gather_dtype buffer while a gather runs
         self.decayed = decayed  # whether AdamW decays this buffer's shard
@@ -97,9 +105,14 @@ class FlatBuffer:
                 self.slices.append(piece)
                 offset += p.numel()
         mine = slice(rank * self.n, (rank + 1) * self.n)
-        self.shard = nn.Parameter(self.full[mine].clone())
+        # The shard is the buffer's own slice unless the buffer can differ from it: freed
+        # (ZeRO-3) or holding gather_dtype's rounding of it.
+        apart = level == 3 or gather_dtype is not None
+        self.shard = nn.Parameter(self.full[mine].clone() if apart else self.full[mine])
         self.grad_weight = weight[mine].clone()
         self.mine = mine
+        self.grads = torch.zeros_like(self.full) if level == 1 else None
+        self.attach_grads()
         self.nbytes = self.full.untyped_storage().nbytes()
         self.gathered, self.gather_work = True, None
         self.waited = 0.0  # seconds spent blocked on this buffer's all-gathers
@@ -167,28 +180,48 @@ class FlatBuffer:
         self.gathered = False
 
     # Gradients: full per-parameter .grad -> this rank's summed shard.
+    def attach_grads(self) -> None:
+        """ZeRO-1: every parameter's .grad a view of the zeroed gradient buffer (backward then
+        accumulates into it in place); no-op at other levels."""
+        if self.grads is None:
+            return
+        self.grads.zero_()
+        for p, piece in zip(self.params, self.slices, strict=True):
+            p.grad = self.grads[piece].view_as(p)
+
     def reduce_grads(self) -> None:
-        """Start the async reduce-scatter of the parameters' gradients; drops .grad (ZeRO-2/3)
-        unless `keep_grads` (ZeRO-1)."""
-        flat = self.flat(
-            [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        )
-        if self.reduce_dtype is not None:
-            flat = flat.to(self.reduce_dtype)
-        self.grad_out = flat.new_empty(self.n)
+        """Start the async reduce-scatter of the parameters' gradients. ZeRO-1: from the
+        gradient buffer into its own slice (in place, unless a reduce_dtype needs a narrow
+        copy); ZeRO-2/3: from a flat copy, the parameters' .grad then dropped."""
+        if self.grads is not None and self.reduce_dtype is None:
+            flat, self.grad_out = self.grads, self.grads[self.mine]
+        else:
+            flat = self.flat(
+                [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+            )
+            if self.reduce_dtype is not None:
+                flat = flat.to(self.reduce_dtype)
+            self.grad_out = flat.new_empty(self.n)
         self.grad_work = collectives.reduce_scatter_into(
             self.grad_out, flat, self.group, async_op=True
         )
-        if not self.keep_grads:
+        if self.grads is None:
             for p in self.params:
                 p.grad = None
 
     def finish_grads(self) -> None:
-        """Wait for the reduce-scatter; shard.grad = the mean over the DP ranks."""
+        """Wait for the reduce-scatter; shard.grad = the mean over the DP ranks (ZeRO-1: in
+        this rank's slice of the gradient buffer)."""
         if self.grad_work is None:
             self.reduce_grads()
         self.grad_work.wait()
-        self.shard.grad = self.grad_out.to(self.shard.dtype) / self.size
+        if self.grads is None:
+            self.shard.grad = self.grad_out.to(self.shard.dtype).div_(self.size)
+        else:
+            mean = self.grads[self.mine]
+            if self.grad_out.data_ptr() != mean.data_ptr():  # reduced in a reduce_dtype
+                mean.copy_(self.grad_out)
+            self.shard.grad = mean.div_(self.size)
         self.ready, self.grad_out, self.grad_work = 0, None, None
 
     def write_params(self) -> None:
@@ -197,6 +230,13 @@ class FlatBuffer:
             self._all_gather(async_op=False).wait()
             with torch.no_grad():
                 self._widen()
+
+
+def held_bytes(tensors: Sequence[torch.Tensor]) -> int:
+    """Bytes of the storages behind `tensors`, each counted once however many views share it
+    (valid on the meta device: a storage's identity, not its address)."""
+    storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
 
 
 class GatherForBackward(torch.autograd.Function):
@@ -325,7 +365,7 @@ class ShardedDataParallel(GradientSync):
                         self.reduce_dtype,
                         decayed,
                         self.gather_dtype,
-                        keep_grads=self.level == 1,
+                        self.level,
                     )
                     for _, p in part:
                         p.register_post_accumulate_grad_hook(self._grad_hook(buf, late))
@@ -412,15 +452,30 @@ class ShardedDataParallel(GradientSync):
         """Bytes of whole (gathered) parameter buffers this rank holds now."""
         return sum(b.full.untyped_storage().nbytes() for b in self.buffers)
 
+    def weight_bytes(self) -> int:
+        """Bytes this rank holds for the parameters now: the whole buffers still held, and the
+        shards that are not views of them (each storage once)."""
+        return held_bytes([t for b in self.buffers for t in (b.full, b.shard)])
+
+    def grad_bytes(self) -> int:
+        """Bytes this rank holds for gradients now: the shards' means, the gradient buffers
+        (ZeRO-1) or whatever .grad backward left on the parameters (each storage once)."""
+        grads = [b.shard.grad for b in self.buffers] + [
+            p.grad for b in self.buffers for p in b.params
+        ]
+        return held_bytes([g for g in grads if g is not None])
+
     def shards(self) -> list[nn.Parameter]:
         return [b.shard for b in self.buffers]
 
     # The optimizer side.
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Gradients gone (ZeRO-1: its buffer zeroed, the .grad views kept)."""
         for b in self.buffers:
             b.shard.grad = None
             for p in b.params:
                 p.grad = None
+            b.attach_grads()
 
     @torch.no_grad()
     def step(self) -> None:

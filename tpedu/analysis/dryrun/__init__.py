@@ -59,9 +59,10 @@ tpedu.cp.traffic's formulas (the ring's K/V sends or Ulysses' all-to-alls), the 
 over the whole sequence and the gradients' sum over CP.
 
 ZeRO-1/2/3: the parameters are views into flat buffers (ZeRO-3 resizes their storage to
-nothing at rest, which works on meta tensors too), so the weights are the whole buffers still
-held after the step plus the fp32 shards AdamW steps; the gradients and AdamW's states are the
-shards' (ZeRO-1 keeps the whole local gradients too); `peak_gathered` is the most bytes of
+nothing at rest, which works on meta tensors too), so weights and gradients are counted as the
+storages held after the step, each once: ZeRO-1/2's shards are slices of the whole buffers
+(ZeRO-3's stand alone), ZeRO-1's shard means slices of its whole gradient buffer, ZeRO-2/3
+keep the means alone; AdamW's states are the shards'; `peak_gathered` is the most bytes of
 whole parameters held at once during the step.
 
 Then `compare` sets each figure beside its prediction: the memory ledger

@@ -244,14 +244,13 @@ def measure_rank(
     peak, held, parts = _peak(acts, windows.per_forward)
     params = list(stage.parameters())
     weights = sum(p.numel() * p.element_size() for p in params)
-    owners = params  # what holds gradients
+    gradients = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
     flat, peak_gathered = (), 0
     if isinstance(opt, ShardedDataParallel):
-        # The parameters are views into the flat buffers (ZeRO-3: resized to nothing at rest),
-        # so their shapes no longer tell the storage: count the whole buffers still held
-        # and the fp32 shards AdamW steps; the shards' gradients, and with ZeRO-1 the whole ones.
-        owners = params + opt.shards()
-        weights = opt.gathered_bytes() + sum(s.numel() * s.element_size() for s in opt.shards())
+        # The parameters (and ZeRO-1's gradients) are views into the flat buffers (ZeRO-3:
+        # resized to nothing at rest), so their shapes no longer tell the storage: count the
+        # storages held, each once.
+        weights, gradients = opt.weight_bytes(), opt.grad_bytes()
         where = {}  # id(module) -> (chunk, block index or -1)
         for c, chunk in enumerate(chunks):
             where[id(chunk)] = (c, -1)
@@ -263,7 +262,6 @@ def measure_rank(
         )
         # ZeRO-2 holds every buffer whole throughout (its peak is all of them)
         peak_gathered = opt.peak_gathered if opt.level == 3 else opt.gathered_bytes()
-    grads = [p.grad for p in owners if p.grad is not None]
     opt_bytes, opt_other, opt_params, opt_tensors = _optimizer_state(opt, params)
     chunk_layers = tuple(
         (c.layer_ids[0], c.layer_ids[-1] + 1) if c.layer_ids else (0, 0) for c in chunks
@@ -280,7 +278,7 @@ def measure_rank(
         params=sum(p.numel() for p in params),
         param_tensors=len(params),
         weights=weights,
-        gradients=sum(g.numel() * g.element_size() for g in grads),
+        gradients=gradients,
         optimizer=opt_bytes,
         optimizer_steps=opt_other,
         optimizer_params=opt_params,

@@ -391,28 +391,11 @@ def memory_comparisons(
         terms = params + ([pad] if pad else [])
         return [Term(t.name, t.value * per_param / divisor) for t in terms]
 
+    # ZeRO-1/2 step the shards in place in the whole buffers, and ZeRO-1's gradient buffer
+    # holds the shards' means in place: no term beyond the parameters and their padding.
     w_div, g_div, o_div = (dp if zero >= k else 1 for k in (3, 2, 1))
     weights = scaled(VALUE_BYTES, w_div)
-    shard = sum(n for _, n, *_ in fig.flat_buffers)
-    if zero in (1, 2):
-        weights.append(
-            Term(
-                f"ZeRO-{zero}: the fp32 shards AdamW steps ({shard:,} elements), apart from the "
-                "whole parameters they are all-gathered into",
-                shard * VALUE_BYTES,
-            )
-        )
-    if zero == 1:  # the whole local gradients (no padding: per parameter) and the shards' means
-        grads = [Term(t.name, t.value * VALUE_BYTES) for t in params]
-        grads.append(
-            Term(
-                f"ZeRO-1: the DP mean of this rank's shards ({shard:,} elements, shard.grad), "
-                "beside the whole local gradients it keeps",
-                shard * VALUE_BYTES,
-            )
-        )
-    else:
-        grads = scaled(VALUE_BYTES, g_div)
+    grads = scaled(VALUE_BYTES, g_div)
     out = [
         Comparison("parameters", fig.params, led.params, "ledger", tuple(params)),
         Comparison("weights", fig.weights, led.weights, "ledger", tuple(weights)),
