@@ -72,3 +72,28 @@ def test_sizes_errors_and_the_parallel_config():
         Layout(2, cp=2).check_world(8)
     with pytest.raises(ValueError, match=r"^tp·pp·dp = 2·1·1 = 2 does not match the world"):
         Layout(2).check_world(4)
+
+
+@pytest.mark.parametrize(
+    "lay", [Layout(dp=4, ep=2), Layout(2, 2, 4, ep=4), Layout(2, 1, 6, 2, ep=3)]
+)
+def test_expert_groups_are_carved_from_the_dp_groups(lay):
+    """ep groups: runs of ep consecutive members of one DP group (dp_rank = ep_rank +
+    ep · edp_rank); edp groups: a DP group's members with the same ep_rank. Together they
+    tile every DP group exactly: each rank in one ep group and one edp group, both inside
+    its DP group; the world is unchanged."""
+    assert lay.world == lay.tp * lay.cp * lay.pp * lay.dp
+    assert lay.group_names()[-2:] == ("ep", "edp")
+    groups = lay.groups()
+    dp_of = {r: g for g in groups["dp"] for r in g}
+    for kind, size in (("ep", lay.ep), ("edp", lay.dp // lay.ep)):
+        assert sorted(r for g in groups[kind] for r in g) == list(range(lay.world))
+        assert all(len(g) == size and set(g) <= set(dp_of[g[0]]) for g in groups[kind])
+    for g in groups["ep"]:
+        assert [lay.coords(r)["dp"] % lay.ep for r in g] == list(range(lay.ep))
+        assert len({lay.coords(r)["dp"] // lay.ep for r in g}) == 1
+    for g in groups["edp"]:
+        assert len({lay.coords(r)["dp"] % lay.ep for r in g}) == 1
+    assert "ep" not in Layout(dp=4).group_names()
+    with pytest.raises(ValueError, match="ep = 3 does not divide dp = 4"):
+        Layout(dp=4, ep=3)

@@ -38,6 +38,7 @@ ORDER = (
     "comm",
     "tp",
     "cp",
+    "moe",
     "model",
     "parallel",
     "data",

@@ -1,4 +1,4 @@
-"""Lessons 00–18: tpedu, tensor parallelism built from one split matmul up to a 4D-parallel GPT.
+"""Lessons 00–19: tpedu, tensor parallelism built from one split matmul up to a 4D-parallel GPT.
 
 Sub-packages and their modules, one idea each, with their lessons; lowest layer first (a module
 imports only its own layer and those below it: tests/test_structure.py checks it):
@@ -30,6 +30,11 @@ imports only its own layer and those below it: tests/test_structure.py checks it
         ulysses           Ulysses attention: all-to-all from sequence shards to head shards and back
         balance           causal attention work per CP rank, contiguous vs zig-zag
         traffic           what CP sends, as formulas the tracer checks, and their α-β time
+    moe/                  mixture of experts and expert parallelism (lesson 19)
+        router            the top-k router, its capacity and token dropping, the auxiliary losses
+        dense             DenseMoE, every expert on one process: the reference
+        dispatch          the all-to-alls of variable sizes that send tokens to their experts
+        expert_parallel   ExpertParallelMoE: the experts split over the EP ranks
     model/                the GPT (lessons 07–14)
         config            GPTConfig: a GPT-2- or Llama-style model's shapes and arithmetic (07)
         dense             DenseGPT, the single-process reference (07)

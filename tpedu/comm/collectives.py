@@ -15,7 +15,7 @@ included; nothing is emulated.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -188,6 +188,47 @@ def all_to_all(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch
     _trace("all_to_all", x, group, x.numel())
     out = torch.empty_like(x)
     dist.all_to_all_single(out, x, group=group)
+    return out
+
+
+def all_to_all_variable(
+    x: torch.Tensor,
+    send_counts: Sequence[int],
+    recv_counts: Sequence[int],
+    group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
+    """All-to-all of unequal chunks along dim 0: [Σ send_counts, ...] -> [Σ recv_counts, ...].
+
+    Rows [Σ send_counts[:j], Σ send_counts[:j+1]) go to rank j; the rows received come in rank
+    order. recv_counts[j] must be what rank j passes as send_counts[this rank] (exchange the
+    counts first, with an all_to_all). Traced as an all_to_all of x, the rows kept on this rank
+    included, as all_to_all counts them; this rank sends (Σ send_counts - send_counts[rank])
+    rows (the tracer's wire bytes, (t-1)/t of x, assume equal chunks). One rank: a copy.
+    """
+    t = dist.get_world_size(group)
+    send_counts, recv_counts = [int(c) for c in send_counts], [int(c) for c in recv_counts]
+    if len(send_counts) != t or len(recv_counts) != t:
+        raise ValueError(
+            f"all_to_all_variable: {len(send_counts)} send and {len(recv_counts)} receive "
+            f"counts for a group of {t} ranks; pass one count per rank"
+        )
+    if x.shape[0] != sum(send_counts):
+        raise ValueError(
+            f"all_to_all_variable: dimension 0 has size {x.shape[0]} but the send counts sum to "
+            f"{sum(send_counts)}; they must be equal"
+        )
+    x = x.contiguous()
+    _trace("all_to_all", x, group, x.numel())
+    if t == 1:
+        if recv_counts != send_counts:
+            raise ValueError(
+                f"all_to_all_variable on one rank: receives {recv_counts}, sends {send_counts}"
+            )
+        return x.clone()
+    out = x.new_empty((sum(recv_counts), *x.shape[1:]))
+    dist.all_to_all_single(
+        out, x, output_split_sizes=recv_counts, input_split_sizes=send_counts, group=group
+    )
     return out
 
 

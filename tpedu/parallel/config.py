@@ -18,6 +18,8 @@ under any other (lesson 14):
     cp_layout           layer, "ring" or "ulysses" attention, "zigzag" or "contiguous" split
                         (tpedu.cp), with TP, PP and DP around it. Ranks: tp fastest, then cp,
                         pp, dp (`Layout`)
+    ep                  expert parallelism, carved from DP: each DP group's runs of ep ranks
+                        hold different experts of every mixture-of-experts layer (tpedu.moe)
 
 `model_options(mesh)` is what `TPGPT` takes of it, a `tpedu.model.options.RunOptions`: the model
 layer does not import this one.
@@ -59,6 +61,7 @@ class ParallelConfig:
     cp: int = 1
     cp_strategy: str = "ring"
     cp_layout: str = "zigzag"
+    ep: int = 1
 
     def __post_init__(self) -> None:
         _ = self.layout  # Layout refuses an axis that is not a positive integer
@@ -78,7 +81,7 @@ class ParallelConfig:
 
     @property
     def layout(self) -> Layout:
-        return Layout(**{a: getattr(self, a) for a in AXIS_NAMES})
+        return Layout(**{a: getattr(self, a) for a in AXIS_NAMES}, ep=self.ep)
 
     @property
     def world(self) -> int:

@@ -19,6 +19,11 @@ Groups:
     dp   ranks that differ only in dp_rank (replicas of the same shard: gradients are averaged)
     emb  the first and last stage of one pipeline (same tp_rank, dp_rank), when pp > 1: the
          tied embedding's two copies have their gradients summed over it
+    ep   expert parallelism, carved from DP (as Megatron-core and torchtitan do), when ep > 1:
+         ep consecutive DP ranks of one DP group (dp_rank = ep_rank + ep · edp_rank) hold
+         different experts and trade tokens with all-to-all; attention stays replicated
+    edp  the ranks of one DP group with the same ep_rank: replicas of the same experts, whose
+         gradients are reduced over it (and only over it)
 
 `torch.distributed.new_group` is collective over the WHOLE world: every rank must create every
 group, in the same order, even the groups it is not in. `Mesh` does exactly that.
@@ -76,11 +81,17 @@ class Layout:
     pp: int = 1
     dp: int = 1
     cp: int = 1
+    ep: int = 1  # expert-parallel ranks within each DP group: not an axis of its own
 
     def __post_init__(self) -> None:
-        for name in AXIS_NAMES:
+        for name in (*AXIS_NAMES, "ep"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        if self.dp % self.ep:
+            raise ValueError(
+                f"ep = {self.ep} does not divide dp = {self.dp}: expert parallelism is carved "
+                f"from the DP ranks; choose ep among {', '.join(map(str, divisors(self.dp)))}"
+            )
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -138,15 +149,27 @@ class Layout:
         """[first stage, last stage] of every pipeline (empty when pp = 1: nothing to tie)."""
         return [[g[0], g[-1]] for g in self.axis_groups("pp")] if self.pp > 1 else []
 
+    def ep_groups(self) -> list[list[int]]:
+        """Expert-parallel groups: each DP group cut into runs of ep consecutive members."""
+        return [
+            g[i : i + self.ep] for g in self.axis_groups("dp") for i in range(0, self.dp, self.ep)
+        ]
+
+    def edp_groups(self) -> list[list[int]]:
+        """Expert-data-parallel groups: the members of each DP group with the same ep_rank."""
+        return [g[e :: self.ep] for g in self.axis_groups("dp") for e in range(self.ep)]
+
     def group_names(self) -> tuple[str, ...]:
-        """The groups this layout has, in rank order, then "emb": an optional axis (cp) only
-        at size > 1."""
-        return tuple(a.name for a in AXES if not a.optional or self.sizes[a.name] > 1) + ("emb",)
+        """The groups this layout has, in rank order, then "emb", then "ep" and "edp" when
+        ep > 1: an optional axis (cp) only at size > 1."""
+        axes = tuple(a.name for a in AXES if not a.optional or self.sizes[a.name] > 1)
+        return axes + ("emb",) + (("ep", "edp") if self.ep > 1 else ())
 
     def groups(self) -> dict[str, list[list[int]]]:
         """{name: every group of that kind} for each of `group_names()`."""
+        derived = {"emb": self.emb_groups, "ep": self.ep_groups, "edp": self.edp_groups}
         return {
-            name: self.emb_groups() if name == "emb" else self.axis_groups(name)
+            name: derived[name]() if name in derived else self.axis_groups(name)
             for name in self.group_names()
         }
 
@@ -198,6 +221,8 @@ class Mesh:
         for kind in [*AXIS_NAMES, "emb"]:  # none: an optional axis of size 1, no tied copies
             self.groups.setdefault(kind, None)
             self.members.setdefault(kind, [])
+        if layout.ep == 1:  # no expert parallelism: the experts are replicated like the rest
+            self.groups["edp"], self.members["edp"] = self.groups["dp"], self.members["dp"]
 
     tp_rank = property(lambda self: self.coords["tp"])
     cp_rank = property(lambda self: self.coords["cp"])
@@ -208,6 +233,18 @@ class Mesh:
     pp_group = property(lambda self: self.groups["pp"])
     dp_group = property(lambda self: self.groups["dp"])
     emb_group = property(lambda self: self.groups["emb"])
+    edp_group = property(lambda self: self.groups["edp"])
+
+    @property
+    def ep_group(self) -> dist.ProcessGroup:
+        """The expert-parallel group; at ep = 1 a group of this rank alone, created when first
+        asked for (by this rank only: no collective, nothing for a model without experts)."""
+        if "ep" not in self.groups:
+            g = dist.new_group([self.rank], use_local_synchronization=True)
+            self.groups["ep"], self.members["ep"] = collectives.name_group(g, "ep"), [self.rank]
+        return self.groups["ep"]
+
+    ep_rank = property(lambda self: self.coords["dp"] % self.layout.ep)
 
     def __repr__(self) -> str:
         return f"Mesh(rank {self.rank}: {describe_coords(self.layout, self.rank)})"

@@ -1,0 +1,187 @@
+"""Lesson 19: expert parallelism: the experts split over the EP ranks, each token sent to the
+rank of its expert and back (GShard, Switch; Megatron-core, torchtitan).
+
+EP is carved from the data-parallel ranks: every EP rank holds DIFFERENT tokens, the router
+(and the shared expert) replicated, and E/ep experts: rank r holds experts [r·E/ep, (r+1)·E/ep).
+
+    x [T, H] ─► router (local) ─► capacity among this rank's T tokens ─► sort assignments by expert
+      ─► all-to-all of the counts [E] ─► all-to-all of the tokens [A, H] ─► rows from every rank
+      ─► local expert j on its contiguous slice ─► all-to-all back [A, H] ─► weight, sum per token
+      ─► (+ shared expert) ─► y [T, H]
+
+This equals DenseMoE(groups=ep) fed the ranks' tokens concatenated in rank order: capacity is
+applied per rank (as per group), and the statistics of the auxiliary losses (routed counts,
+probability sums, z-loss sum, token count) are summed over the group, so aux_loss and z_loss
+are the dense values over all the group's tokens, on every rank.
+
+Communication per forward, on rank r (A_r: assignments it keeps and sends, R_r: assignments it
+receives, N_rr of each staying on r; H: hidden; elements, times the dtype's size for bytes):
+    all_reduce  3E + 2        the statistics (float: in float32 at least, so counts stay exact)
+    all_to_all  E             the counts per expert (int64)
+    all_to_all  A_r·H         dispatch: (A_r - N_rr)·H leave the rank
+    all_to_all  R_r·H         combine:  (R_r - N_rr)·H leave the rank
+Backward, in reverse: combine's all_to_all of A_r·H (the gradients of what came back go to the
+expert ranks) and dispatch's of R_r·H (the gradients of the tokens go home); plus one
+all_reduce of 3E + 2 when aux_loss or z_loss is in the loss (use them on every rank or on
+none: it is a collective). Dropless and balanced, A_r = R_r = T·k, and (ep - 1)/ep of it
+leaves each rank.
+
+Gradient semantics. The dense reference's loss J is a mean over all the group's N = ep·T tokens
+(plus c·aux + c'·z); each EP rank's loss L_r is the mean over its own T tokens (plus the same
+c·aux + c'·z), so J = (1/ep)·Σ_r L_r. Backward on the EP ranks computes gradients of Σ_r L_r =
+ep·J:
+    replicated parameters (router, shared expert): each rank holds its tokens' part (the aux
+        and z parts already summed over ranks by all_reduce_sum's backward): sum over the group
+        and divide by ep, the DP mean that DataParallel takes.
+    expert parameters: NOT replicated: the all-to-all backward already brought every rank's
+        tokens' gradient to the expert's one copy. Divide by ep, no communication. (Megatron-core
+        scales expert gradients by 1/(full DP size) and sums them over the expert-data-parallel
+        group only: here that group is one rank.) Averaging them over the EP group instead mixes
+        different experts' gradients (expert j on rank r with expert j on rank r'): wrong.
+    the input: dL_r/dx = ep · dJ/dx for this rank's tokens (as in data parallelism).
+`reduce_gradients()` does exactly this; `expert_parameters()`, `replicated_parameters()` and
+`is_expert_parameter(name)` name the two sets for DataParallel / ZeRO, which must reduce the
+expert ones over the expert-data-parallel group only.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tpedu.comm import collectives
+from tpedu.moe.dense import DenseMoE, MoEOutput
+from tpedu.moe.dispatch import all_reduce_sum, all_to_all_tokens, exchange_counts, expert_major
+from tpedu.moe.router import keep_mask, load_balancing_loss
+from tpedu.tp.sharding import divisors
+
+
+def check_experts_divide(experts: int, ep: int) -> None:
+    """Raise a one-line ValueError unless ep divides the number of experts."""
+    if ep < 1 or experts % ep:
+        valid = ", ".join(str(d) for d in divisors(experts))
+        raise ValueError(
+            f"experts = {experts} is not divisible by ep = {ep}; choose ep among {valid} "
+            "(or a number of experts that ep divides)"
+        )
+
+
+def is_expert_parameter(name: str) -> bool:
+    """True for a parameter name inside an `experts` ModuleList (e.g. 'moe.experts.3.fc1.weight'),
+    which is not replicated over the EP group; the router's and the shared expert's are."""
+    return ".experts." in f".{name}"
+
+
+class ExpertParallelMoE(nn.Module):
+    """DenseMoE with its experts split over the EP `group`, built from the dense module (the
+    same on every rank): x [..., H] (this rank's tokens) -> MoEOutput (y [..., H]).
+
+    router, shared: copies of the dense ones (replicated); experts: nn.ModuleList of this rank's
+    E/ep experts, local index j = global expert first_expert + j. Capacity: this rank's tokens
+    form one group (dense.groups is ignored; compare with DenseMoE(groups=ep)).
+    Forward: 1 all-reduce, 3 all-to-alls; backward: 2 all-to-alls (+1 all-reduce if aux_loss or
+    z_loss is in the loss); sizes in the module docstring. `last_send_counts`: the assignments
+    the last forward sent to each rank.
+    """
+
+    def __init__(self, dense: DenseMoE, group: dist.ProcessGroup | None = None) -> None:
+        super().__init__()
+        self.group = group
+        self.ep, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        check_experts_divide(dense.n_experts, self.ep)
+        self.hidden, self.n_experts, self.top_k = dense.hidden, dense.n_experts, dense.top_k
+        self.capacity_factor = dense.capacity_factor
+        self.local_experts = dense.n_experts // self.ep
+        self.first_expert = self.rank * self.local_experts
+        self.router = copy.deepcopy(dense.router)
+        self.shared = copy.deepcopy(dense.shared)
+        mine = range(self.first_expert, self.first_expert + self.local_experts)
+        self.experts = nn.ModuleList(copy.deepcopy(dense.experts[i]) for i in mine)
+        self.last_send_counts: list[int] = []
+
+    @classmethod
+    def from_dense(
+        cls, dense: DenseMoE, group: dist.ProcessGroup | None = None
+    ) -> ExpertParallelMoE:
+        """Split a DenseMoE (same weights on every rank) over the EP group."""
+        return cls(dense, group)
+
+    def forward(self, x: torch.Tensor) -> MoEOutput:
+        """x [..., H] (this rank's tokens) -> MoEOutput: y [..., H], logits [T, E] of these
+        tokens; aux_loss, z_loss, tokens_per_expert, dropped over all the group's tokens."""
+        x2 = x.reshape(-1, self.hidden)
+        e, k = self.n_experts, self.top_k
+        r = self.router(x2)
+        keep = keep_mask(r.experts, e, self.capacity_factor).reshape(-1)
+        expert = r.experts.reshape(-1)  # assignment a = t·k + j: token t's j-th choice
+        routed = torch.bincount(expert, minlength=e)
+        kept = torch.bincount(expert[keep], minlength=e)
+
+        # One all-reduce for every statistic; float32 at least, so the counts add exactly.
+        dtype = torch.promote_types(r.probs.dtype, torch.float32)
+        local = [routed, kept, r.probs.sum(dim=0), r.logits.logsumexp(dim=-1).square().sum()[None]]
+        local.append(torch.tensor([x2.shape[0]], device=x.device))
+        stats = all_reduce_sum(torch.cat([s.to(dtype) for s in local]), self.group)
+        routed_all, kept_all, prob_sums, z_sum, tokens = stats.split([e, e, e, 1, 1])
+        routed_all, kept_all, tokens = routed_all.detach(), kept_all.detach(), tokens[0].detach()
+
+        # Sorted by expert, the rows for rank d's experts are one contiguous chunk; the stable
+        # sort keeps token order inside each expert, as DenseMoE's loop does.
+        kept_at = keep.nonzero()[:, 0]
+        order = kept_at[torch.argsort(expert[kept_at], stable=True)]
+        received = exchange_counts(kept, self.group)  # [ep, E/ep]
+        send = kept.reshape(self.ep, -1).sum(dim=1).tolist()
+        recv = received.sum(dim=1).tolist()
+        self.last_send_counts = send
+        got = all_to_all_tokens(x2[order // k], send, recv, self.group)  # source-major
+        by_expert = expert_major(received)
+        sizes = received.sum(dim=0).tolist()
+        slices = got[by_expert].split(sizes)
+        out = torch.cat([mlp(s) for mlp, s in zip(self.experts, slices, strict=True)])
+        back = all_to_all_tokens(out[torch.argsort(by_expert)], recv, send, self.group)
+
+        weights = r.weights.reshape(-1)[order, None]
+        y = x2.new_zeros(x2.shape).index_add(0, order // k, back * weights)
+        if self.shared is not None:
+            y = y + self.shared(x2)
+        return MoEOutput(
+            y.reshape(x.shape),
+            r.logits,
+            load_balancing_loss(routed_all, prob_sums, tokens, k),
+            z_sum[0] / tokens,
+            kept_all.round().long(),
+            int((routed_all.sum() - kept_all.sum()).item()),
+        )
+
+    def expert_parameters(self) -> list[nn.Parameter]:
+        """This rank's experts' parameters: not replicated over the EP group."""
+        return list(self.experts.parameters())
+
+    def replicated_parameters(self) -> list[nn.Parameter]:
+        """The router's and the shared expert's parameters: the same on every EP rank."""
+        return [p for n, p in self.named_parameters() if not is_expert_parameter(n)]
+
+    def reduce_gradients(self) -> None:
+        """After backward, the DP step of a group that is all EP (see the module docstring):
+        replicated .grad -> mean over the group (1 all-reduce of their elements); expert .grad
+        -> divided by ep (no communication). Then .grad is dJ/dθ of the dense mean loss."""
+        reps = [p for p in self.replicated_parameters() if p.grad is not None]
+        if reps:
+            flat = torch.cat([p.grad.reshape(-1) for p in reps])
+            collectives.all_reduce(flat, self.group)
+            offset = 0
+            for p in reps:
+                p.grad.copy_(flat[offset : offset + p.numel()].view_as(p) / self.ep)
+                offset += p.numel()
+        for p in self.expert_parameters():
+            if p.grad is not None:
+                p.grad /= self.ep
+
+    def extra_repr(self) -> str:
+        last = self.first_expert + self.local_experts - 1
+        return (
+            f"experts={self.n_experts}, ep={self.ep}, rank {self.rank}: {self.first_expert}..{last}"
+        )
