@@ -95,6 +95,7 @@ def check_gpt2_shaped(config: GPTConfig) -> None:
         "bias": True,
         "tie_embeddings": True,
         "n_kv_heads": None,
+        "experts": 0,  # GPT-2 has no mixture of experts
     }
     for key, value in wanted.items():
         if getattr(config, key) != value and not (

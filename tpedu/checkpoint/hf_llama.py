@@ -117,7 +117,13 @@ def state_to_hf(state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, 
 
 def check_llama_shaped(config: GPTConfig) -> None:
     """Raise a ValueError naming the first setting Llama cannot express."""
-    wanted = {"norm": "rmsnorm", "position": "rope", "activation": "swiglu", "bias": False}
+    wanted = {
+        "norm": "rmsnorm",
+        "position": "rope",
+        "activation": "swiglu",
+        "bias": False,
+        "experts": 0,  # Llama has no mixture of experts
+    }
     for key, value in wanted.items():
         if getattr(config, key) != value:
             raise ValueError(

@@ -278,6 +278,7 @@ def parallel_config(args: argparse.Namespace) -> ParallelConfig:
             cp=args.cp,
             cp_strategy=args.cp_strategy,
             cp_layout=args.cp_layout,
+            ep=args.ep,
         )
     except ValueError as e:
         fail(str(e))

@@ -142,7 +142,13 @@ def model_config(args: argparse.Namespace, vocab_size: int, **fields: object) ->
     preset = GPTConfig.llama_like if args.arch == "llama" else GPTConfig.gpt2_like
     kv = {"n_kv_heads": args.kv_heads} if args.kv_heads or args.arch == "gpt2" else {}
     shape = {"seq_len": args.seq, "n_layers": args.layers, "hidden": args.hidden}
-    return preset(vocab_size, n_heads=args.heads, **shape, **kv, **fields)
+    moe = {
+        "experts": args.experts,
+        "top_k": args.top_k,
+        "moe_every": args.moe_every,
+        "capacity_factor": args.capacity_factor,
+    }
+    return preset(vocab_size, n_heads=args.heads, **shape, **kv, **moe, **fields)
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -150,9 +156,13 @@ def _train(args: argparse.Namespace) -> int:
     # refused input would pay
     from tpedu.data.corpus import novel_data
     from tpedu.train.config import TrainConfig
-    from tpedu.train.loop import train
+    from tpedu.train.loop import check_saving, train
 
     parallel = checks.parallel_config(args)
+    try:
+        check_saving(parallel, args.ckpt_dir, args.out)
+    except ValueError as e:
+        fail(str(e))
     saved = checks.read_resume(args)  # with --resume, the checkpoint's model config
     checks.check_layout(args, saved.n_layers if saved else args.layers)
     try:
@@ -222,6 +232,12 @@ def _dryrun(args: argparse.Namespace) -> int:
             "--dtype fp16: the dry run steps in fp32 or bf16; fp16's loss scaler reads the "
             "gradients' values, which meta tensors do not have: dry-run --dtype bf16 (the same "
             "bytes held; fp16 sends one more one-element all-reduce per step, the scaler's)"
+        )
+    if args.experts:
+        fail(
+            "--experts: the dry run cannot route tokens: which expert a token goes to, and so "
+            "the all-to-alls' sizes, depend on the values, which meta tensors do not have; "
+            "lesson 19 prices an MoE layout per rank from its formulas"
         )
     parallel = checks.parallel_config(args)
     config = model_config(args, args.vocab)

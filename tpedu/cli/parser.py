@@ -213,6 +213,22 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-heads", type=int, default=None, help="grouped-query attention")
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--batch", type=int, default=8, help="global batch (sequences per step)")
+    p.add_argument(
+        "--experts",
+        type=int,
+        default=0,
+        help="a mixture of experts in the MLPs: this many experts each (lesson 19; 0: dense)",
+    )
+    p.add_argument("--top-k", type=int, default=2, help="experts per token with --experts: 1 or 2")
+    p.add_argument(
+        "--moe-every", type=int, default=1, help="with --experts: every n-th block is an MoE"
+    )
+    p.add_argument(
+        "--capacity-factor",
+        type=float,
+        default=None,
+        help="with --experts: tokens an expert takes, over its even share (default: dropless)",
+    )
 
 
 def _layout_flags(p: argparse.ArgumentParser) -> None:
@@ -227,6 +243,13 @@ def _layout_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cp-layout", choices=CP_LAYOUTS, default="zigzag")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages (lesson 11)")
     p.add_argument("--dp", type=int, default=1, help="data-parallel replicas (lesson 12)")
+    p.add_argument(
+        "--ep",
+        type=int,
+        default=1,
+        help="expert-parallel ranks carved from the --dp ranks: the experts split over them "
+        "(lesson 19)",
+    )
     p.add_argument(
         "--micro-batches",
         type=int,

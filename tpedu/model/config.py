@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from tpedu.moe.dense import check_moe_activation
+from tpedu.moe.router import check_capacity_factor, check_top_k
 from tpedu.tp.attention import check_heads
 from tpedu.tp.sharding import check_divisible
 
@@ -67,6 +69,24 @@ class GPTConfig(Widths):
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     seed: int = 0  # dropout masks
+    # Mixture of experts (tpedu.moe, lesson 19): 0 experts keeps every MLP dense.
+    experts: int = 0  # routed experts of each MoE layer
+    top_k: int = 2  # experts per token: 1 (Switch) or 2 (GShard, Mixtral)
+    moe_every: int = 1  # layer i is an MoE layer when (i + 1) % moe_every == 0
+    expert_ffn_hidden: int | None = None  # each expert's hidden width; None: ffn
+    shared_expert: bool = False  # one more MLP every token goes through (DeepSeek)
+    capacity_factor: float | None = None  # None: dropless; else C = ceil(cf · T · k / E)
+    router_renormalize: bool = True  # top-k weights renormalised to sum to 1 (Mixtral)
+    aux_loss_coef: float = 0.01  # the load-balancing loss's weight (Switch's 0.01)
+    z_loss_coef: float = 0.0  # the router z-loss's weight (ST-MoE's 0.001 when used)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether block `layer` (0-based) has a mixture of experts instead of an MLP."""
+        return self.experts > 0 and (layer + 1) % self.moe_every == 0
+
+    @property
+    def expert_ffn(self) -> int:
+        return self.ffn if self.expert_ffn_hidden is None else self.expert_ffn_hidden
 
     def check(self, tp: int = 1) -> None:
         """Raise a ValueError naming the problem (and the fix) if this config cannot run at `tp`."""
@@ -87,6 +107,8 @@ class GPTConfig(Widths):
                 "zeroing an activation (1 would zero them all)"
             )
         check_divisible(self.ffn, tp, "ffn_hidden")
+        if self.experts:
+            check_moe(self, tp)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -113,3 +135,16 @@ class GPTConfig(Widths):
             "tie_embeddings": False,
         }
         return cls(vocab_size, **{**base, **overrides})
+
+
+def check_moe(config: GPTConfig, tp: int) -> None:
+    """Raise a ValueError naming the problem if the MoE fields cannot run at `tp`."""
+    if config.experts < 0 or config.moe_every < 1:
+        raise ValueError(
+            f"experts = {config.experts} and moe_every = {config.moe_every}: use experts ≥ 0 "
+            "(0: no mixture of experts) and moe_every ≥ 1 (1: every layer)"
+        )
+    check_top_k(config.top_k, config.experts)
+    check_capacity_factor(config.capacity_factor)
+    check_moe_activation(config.activation)
+    check_divisible(config.expert_ffn, tp, "expert_ffn_hidden")

@@ -7,13 +7,18 @@ the same function and can be compared with it gradient by gradient.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tpedu.model.config import GPTConfig
+from tpedu.moe.aux_loss import attach_aux_loss
+from tpedu.moe.dense import DenseMoE, MoEOutput
 from tpedu.tp.dense import DenseAttention, DenseMLP
 from tpedu.tp.dropout import derive_seed, index_dropout
+from tpedu.tp.mlp import ParallelMLP
 from tpedu.tp.vocab_parallel import IGNORE
 
 # Dropout call sites owned by the model (the attention and MLP modules own theirs).
@@ -24,6 +29,50 @@ def make_norm(config: GPTConfig) -> nn.Module:
     if config.norm == "rmsnorm":
         return nn.RMSNorm(config.hidden, eps=config.norm_eps)
     return nn.LayerNorm(config.hidden, eps=config.norm_eps, bias=config.bias)
+
+
+def make_mlp(config: GPTConfig, layer: int, seed: int) -> DenseMLP | DenseMoE:
+    """Block `layer`'s MLP: a DenseMLP, or a DenseMoE on the config's MoE layers (lesson 19;
+    its experts draw no dropout mask, as Mixtral's and DeepSeek's train without one)."""
+    if config.is_moe_layer(layer):
+        return DenseMoE(
+            config.hidden,
+            config.expert_ffn,
+            config.experts,
+            config.top_k,
+            config.activation,
+            config.bias,
+            config.router_renormalize,
+            config.shared_expert,
+            config.capacity_factor,
+        )
+    return DenseMLP(
+        config.hidden,
+        config.ffn,
+        config.activation,
+        config.bias,
+        output_dropout=config.dropout,
+        seed=seed,
+    )
+
+
+def mlp_output(block: nn.Module, x: torch.Tensor, step: int) -> torch.Tensor:
+    """block.mlp on x: an MLP's output, or a mixture of experts' y with its weighted auxiliary
+    losses attached for backward (tpedu.moe.aux_loss); the latter's statistics, detached, are
+    kept in block.moe_stats (the dense and the expert-parallel block alike)."""
+    out = block.mlp(x, step) if isinstance(block.mlp, DenseMLP | ParallelMLP) else block.mlp(x)
+    if not isinstance(out, MoEOutput):
+        return out
+    cfg = block.moe_coefs
+    block.moe_stats = dataclasses.replace(
+        out,
+        y=None,
+        logits=out.logits.detach(),
+        aux_loss=out.aux_loss.detach(),
+        z_loss=out.z_loss.detach(),
+    )
+    aux = cfg[0] * out.aux_loss + cfg[1] * out.z_loss
+    return attach_aux_loss(out.y, aux)
 
 
 class DenseBlock(nn.Module):
@@ -46,20 +95,15 @@ class DenseBlock(nn.Module):
             rope_theta=rope,
             fused=fused_attention,
         )
-        self.mlp = DenseMLP(
-            config.hidden,
-            config.ffn,
-            config.activation,
-            config.bias,
-            output_dropout=config.dropout,
-            seed=self.seed,
-        )
+        self.mlp = make_mlp(config, layer, self.seed)
+        self.moe_coefs = (config.aux_loss_coef, config.z_loss_coef)
+        self.moe_stats: MoEOutput | None = None  # the last forward's, on MoE layers
 
     def forward(self, x: torch.Tensor, step: int = 0) -> torch.Tensor:
         a = self.attn(self.norm1(x), step)
         seed = derive_seed(self.seed, ATTENTION_OUTPUT_DROPOUT_SITE, step)
         x = x + index_dropout(a, self.p, seed, training=self.training)
-        return x + self.mlp(self.norm2(x), step)
+        return x + mlp_output(self, self.norm2(x), step)
 
 
 class DenseGPT(nn.Module):

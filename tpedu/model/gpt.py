@@ -48,9 +48,12 @@ from tpedu.model.dense import (
     DenseBlock,
     DenseGPT,
     embed,
+    mlp_output,
 )
 from tpedu.model.options import RunOptions
 from tpedu.model.state import merge_shards, shard_map
+from tpedu.moe.dense import DenseMoE
+from tpedu.moe.expert_parallel import ExpertParallelMoE, is_expert_parameter
 from tpedu.tp.attention import ParallelAttention
 from tpedu.tp.dropout import derive_seed, index_dropout
 from tpedu.tp.embedding import ReplicatedEmbedding, VocabParallelEmbedding
@@ -121,6 +124,27 @@ def check_context_parallel(
         check_ulysses_heads(config.n_heads // tp, max(1, config.kv_heads // tp), cp)
 
 
+def check_moe_options(sequence_parallel: bool) -> None:
+    """Raise a ValueError if a model with experts cannot run so."""
+    if sequence_parallel:
+        raise ValueError(
+            "sequence parallelism with a mixture of experts is not built: each expert, split "
+            "over TP, needs the same tokens on every TP rank; drop --sequence-parallel"
+        )
+
+
+def expert_parallel_moe(
+    dense: DenseMoE, group: dist.ProcessGroup | None, options: RunOptions
+) -> ExpertParallelMoE:
+    """A block's mixture of experts: experts split over options.ep_group (None: a group of
+    this rank alone, every expert here) and each expert over the TP `group`."""
+    check_moe_options(options.sequence_parallel)
+    ep_group = options.ep_group
+    if ep_group is None:
+        ep_group = dist.new_group([dist.get_rank()], use_local_synchronization=True)
+    return ExpertParallelMoE.from_dense(dense, ep_group, tp_group=group)
+
+
 class TPBlock(nn.Module):
     """DenseBlock sharded over the TP group: norms replicated, attention and MLP split.
 
@@ -150,9 +174,16 @@ class TPBlock(nn.Module):
             cp_group=options.cp_group if cp else None,
             cp_attention=CP_ATTENTION[options.cp_strategy] if cp else None,
         )
-        self.mlp = ParallelMLP.from_dense(
-            dense.mlp, group, sequence_parallel=sequence_parallel, overlap_comm=options.overlap_comm
-        )
+        self.moe_coefs, self.moe_stats = dense.moe_coefs, None
+        if isinstance(dense.mlp, DenseMoE):
+            self.mlp = expert_parallel_moe(dense.mlp, group, options)
+        else:
+            self.mlp = ParallelMLP.from_dense(
+                dense.mlp,
+                group,
+                sequence_parallel=sequence_parallel,
+                overlap_comm=options.overlap_comm,
+            )
         if sequence_parallel:
             mark_sequence_parallel(
                 [
@@ -189,7 +220,7 @@ class TPBlock(nn.Module):
             x = x + sequence_dropout(a, self.p, seed, self.group, self.training)
         else:
             x = x + index_dropout(a, self.p, seed, training=self.training)  # full: offsets 0
-        return x + self.mlp(self.norm2(x), step)  # 1 all-reduce forward, 1 backward
+        return x + mlp_output(self, self.norm2(x), step)  # 1 all-reduce forward, 1 backward
 
 
 class TPGPT(nn.Module):
@@ -404,11 +435,16 @@ class TPGPT(nn.Module):
         """
         return collectives.all_reduce(self.squared_grad_sum(), self.group).sqrt()
 
-    def squared_grad_sum(self, skip: nn.Parameter | None = None) -> torch.Tensor:
+    def squared_grad_sum(
+        self, skip: nn.Parameter | None = None, experts_only: bool = False
+    ) -> torch.Tensor:
         """This rank's share of the squared gradient norm (float64 scalar, no communication):
-        each element's square divided by its number of copies; `skip` is left out."""
+        each element's square divided by its number of copies; `skip` is left out;
+        `experts_only`: the experts' parameters alone (an EP group sums those)."""
         sq = torch.zeros((), dtype=torch.float64, device=next(self.parameters()).device)
         for name, p in self.named_parameters():
+            if experts_only and not is_expert_parameter(name):
+                continue
             if p.grad is not None and p is not skip:
                 sq += (p.grad.double().square() / self.copies_of(name)).sum()
         return sq

@@ -1,4 +1,4 @@
-"""Lessons 08–15: `RunOptions`, how a TPGPT runs on its ranks, never what it computes.
+"""Lessons 08–19: `RunOptions`, how a TPGPT runs on its ranks, never what it computes.
 
 One object, given to `TPGPT(dense, group, options=...)` and handed down to every block, so a
 new way of running is one field here and the code that reads it, not a keyword threaded
@@ -13,6 +13,8 @@ uses; the GPTConfig (what the model is) never holds any of it.
     cp_group            context parallelism (lesson 09): each rank of this group feeds its chunk
     cp_strategy         of the sequence ("zigzag" or "contiguous", `cp_layout`), attention is
     cp_layout           ring or Ulysses attention over the group (None: no CP)
+    ep_group            expert parallelism (lesson 19): the MoE layers' experts split over this
+                        group's ranks, tokens traded with all-to-all (None: every expert here)
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class RunOptions:
     cp_group: dist.ProcessGroup | None = None
     cp_strategy: str = "ring"
     cp_layout: str = "zigzag"
+    ep_group: dist.ProcessGroup | None = None
 
     def __post_init__(self) -> None:
         for name, choices in (

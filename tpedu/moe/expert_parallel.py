@@ -56,6 +56,7 @@ from tpedu.comm import collectives
 from tpedu.moe.dense import DenseMoE, MoEOutput
 from tpedu.moe.dispatch import all_reduce_sum, all_to_all_tokens, exchange_counts, expert_major
 from tpedu.moe.router import keep_mask, load_balancing_loss
+from tpedu.tp.mlp import ParallelMLP
 from tpedu.tp.sharding import divisors
 
 
@@ -79,15 +80,26 @@ class ExpertParallelMoE(nn.Module):
     """DenseMoE with its experts split over the EP `group`, built from the dense module (the
     same on every rank): x [..., H] (this rank's tokens) -> MoEOutput (y [..., H]).
 
-    router, shared: copies of the dense ones (replicated); experts: nn.ModuleList of this rank's
-    E/ep experts, local index j = global expert first_expert + j. Capacity: this rank's tokens
-    form one group (dense.groups is ignored; compare with DenseMoE(groups=ep)).
+    router, shared: copies of the dense ones (replicated); experts: nn.ModuleDict of this rank's
+    E/ep experts keyed by their global index (so parameter names are DenseMoE's: experts.5.fc1.
+    weight on the rank holding expert 5). Capacity: this rank's tokens form one group
+    (dense.groups is ignored; compare with DenseMoE(groups=ep)).
+    `tp_group` (a GPT's TP group; x is then the same on all its ranks, so all route alike): the
+    experts and the shared expert become ParallelMLPs, fc1 column- and fc2 row-split, one
+    all-reduce over TP per expert forward and backward. Splitting each expert keeps TP's memory
+    saving for the experts too, and the EP all-to-all then carries each TP rank's tokens once
+    (among the ranks of its own tp index), as Megatron-core's expert-tensor-parallel = tp.
     Forward: 1 all-reduce, 3 all-to-alls; backward: 2 all-to-alls (+1 all-reduce if aux_loss or
     z_loss is in the loss); sizes in the module docstring. `last_send_counts`: the assignments
     the last forward sent to each rank.
     """
 
-    def __init__(self, dense: DenseMoE, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(
+        self,
+        dense: DenseMoE,
+        group: dist.ProcessGroup | None = None,
+        tp_group: dist.ProcessGroup | None = None,
+    ) -> None:
         super().__init__()
         self.group = group
         self.ep, self.rank = dist.get_world_size(group), dist.get_rank(group)
@@ -97,17 +109,25 @@ class ExpertParallelMoE(nn.Module):
         self.local_experts = dense.n_experts // self.ep
         self.first_expert = self.rank * self.local_experts
         self.router = copy.deepcopy(dense.router)
-        self.shared = copy.deepcopy(dense.shared)
+
+        def local(mlp: nn.Module) -> nn.Module:
+            return copy.deepcopy(mlp) if tp_group is None else ParallelMLP.from_dense(mlp, tp_group)
+
+        self.shared = None if dense.shared is None else local(dense.shared)
         mine = range(self.first_expert, self.first_expert + self.local_experts)
-        self.experts = nn.ModuleList(copy.deepcopy(dense.experts[i]) for i in mine)
+        self.experts = nn.ModuleDict({str(i): local(dense.experts[i]) for i in mine})
         self.last_send_counts: list[int] = []
 
     @classmethod
     def from_dense(
-        cls, dense: DenseMoE, group: dist.ProcessGroup | None = None
+        cls,
+        dense: DenseMoE,
+        group: dist.ProcessGroup | None = None,
+        tp_group: dist.ProcessGroup | None = None,
     ) -> ExpertParallelMoE:
-        """Split a DenseMoE (same weights on every rank) over the EP group."""
-        return cls(dense, group)
+        """Split a DenseMoE (same weights on every rank) over the EP group (and each expert
+        over `tp_group`)."""
+        return cls(dense, group, tp_group)
 
     def forward(self, x: torch.Tensor) -> MoEOutput:
         """x [..., H] (this rank's tokens) -> MoEOutput: y [..., H], logits [T, E] of these
@@ -140,7 +160,7 @@ class ExpertParallelMoE(nn.Module):
         by_expert = expert_major(received)
         sizes = received.sum(dim=0).tolist()
         slices = got[by_expert].split(sizes)
-        out = torch.cat([mlp(s) for mlp, s in zip(self.experts, slices, strict=True)])
+        out = torch.cat([mlp(s) for mlp, s in zip(self.experts.values(), slices, strict=True)])
         back = all_to_all_tokens(out[torch.argsort(by_expert)], recv, send, self.group)
 
         weights = r.weights.reshape(-1)[order, None]

@@ -31,8 +31,9 @@ from dataclasses import asdict, dataclass, fields
 
 from tpedu.cp.ring import LAYOUTS, check_cp_length
 from tpedu.model.config import RECOMPUTE, GPTConfig
-from tpedu.model.gpt import check_context_parallel
+from tpedu.model.gpt import check_context_parallel, check_moe_options
 from tpedu.model.options import CP_STRATEGIES, RunOptions
+from tpedu.moe.expert_parallel import check_experts_divide
 from tpedu.parallel.mesh import AXIS_NAMES, Layout, Mesh
 from tpedu.parallel.pipeline.schedules import partition, schedule
 from tpedu.tp.sequence_parallel import check_sequence_length
@@ -89,7 +90,7 @@ class ParallelConfig:
 
     def model_options(self, mesh: Mesh | None = None) -> RunOptions:
         """TPGPT's RunOptions: what of this config the model itself needs; with this rank's
-        `mesh`, its CP group too."""
+        `mesh`, its CP and EP groups too."""
         return RunOptions(
             sequence_parallel=self.sequence_parallel,
             recompute=self.recompute,
@@ -97,6 +98,7 @@ class ParallelConfig:
             cp_group=mesh.cp_group if mesh is not None else None,
             cp_strategy=self.cp_strategy,
             cp_layout=self.cp_layout,
+            ep_group=mesh.ep_group if mesh is not None and self.ep > 1 else None,
         )
 
     def check(self, config: GPTConfig) -> None:
@@ -110,6 +112,10 @@ class ParallelConfig:
             check_context_parallel(
                 config, self.sequence_parallel, self.cp_strategy, self.tp, self.cp
             )
+        if config.experts:
+            check_moe_options(self.sequence_parallel)
+        if self.ep > 1:
+            check_expert_parallel(config, self)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -122,3 +128,19 @@ class ParallelConfig:
         if unknown:
             raise ValueError(f"unknown ParallelConfig fields {unknown}; known: {sorted(known)}")
         return cls(**values)
+
+
+def check_expert_parallel(config: GPTConfig, parallel: ParallelConfig) -> None:
+    """Raise a ValueError naming the problem (and the fix) if ep > 1 cannot run `config`."""
+    if not config.experts:
+        raise ValueError(
+            f"ep = {parallel.ep} needs a mixture of experts to split; give the model experts "
+            "(--experts E) or use ep = 1"
+        )
+    check_experts_divide(config.experts, parallel.ep)
+    if parallel.zero:
+        raise ValueError(
+            f"ZeRO-{parallel.zero} with expert parallelism is not built: the experts' shards "
+            "would need flat buffers of their own over the expert-data-parallel group; use "
+            "zero = 0 with ep > 1"
+        )

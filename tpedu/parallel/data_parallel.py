@@ -67,8 +67,8 @@ def all_reduce_bucket(
 
 
 class _Bucket:
-    def __init__(self, params: list[nn.Parameter]) -> None:
-        self.params = params
+    def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup | None) -> None:
+        self.params, self.group = params, group
         self.ready = 0
         self.buf: torch.Tensor | None = None
         self.work: dist.Work | None = None
@@ -102,6 +102,11 @@ class DataParallel(GradientSync):
     fp32, and the sum of N replicas rounded at every step of the ring (lesson 16 measures it).
     `events`: set it to a list to record ("launch <bucket>", perf_counter()) per all-reduce
     started and ("finish", ...), ("finished", ...) around finish() (lesson 12's timeline).
+
+    Expert parallelism (lesson 19): `experts` (parameters of the experts this rank holds) go in
+    buckets of their own, summed over `expert_group` (the expert-data-parallel group: the DP
+    ranks holding the same experts) and divided by the whole DP size, as Megatron-core does: the
+    all-to-all's backward has already summed every EP rank's tokens into them.
     """
 
     def __init__(
@@ -110,15 +115,24 @@ class DataParallel(GradientSync):
         group: dist.ProcessGroup | None = None,
         bucket_numel: int = 2**16,
         reduce_dtype: torch.dtype | None = None,
+        experts: Sequence[nn.Parameter] = (),
+        expert_group: dist.ProcessGroup | None = None,
     ) -> None:
         self.module, self.group, self.reduce_dtype = module, group, reduce_dtype
         self.size = dist.get_world_size(group)
         self.sync = True
-        params = [p for p in module.parameters() if p.requires_grad]
-        self.buckets = [
-            _Bucket([params[i] for i in b])
-            for b in assign_buckets([p.numel() for p in params], bucket_numel)
-        ]
+        expert_ids = {id(p) for p in experts}
+        self.buckets = []
+        for members, reduce_over in ((False, group), (True, expert_group)):
+            params = [
+                p
+                for p in module.parameters()
+                if p.requires_grad and (id(p) in expert_ids) == members
+            ]
+            self.buckets += [
+                _Bucket([params[i] for i in b], reduce_over)
+                for b in assign_buckets([p.numel() for p in params], bucket_numel)
+            ]
         self.launched: list[_Bucket] = []  # in launch order (the same on every DP rank)
         self.events: list[tuple[str, float]] | None = None  # off unless the caller sets a list
         for bucket in self.buckets:
@@ -140,8 +154,8 @@ class DataParallel(GradientSync):
         bucket.buf = torch.cat([g.reshape(-1) for g in grads])  # one message, not one per tensor
         if self.reduce_dtype is not None:
             bucket.buf = bucket.buf.to(self.reduce_dtype)
-        if self.size > 1:
-            bucket.work = collectives.all_reduce(bucket.buf, self.group, async_op=True)
+        if dist.get_world_size(bucket.group) > 1:
+            bucket.work = collectives.all_reduce(bucket.buf, bucket.group, async_op=True)
         self.launched.append(bucket)
         if self.events is not None:
             self.events.append((f"launch {self.buckets.index(bucket)}", time.perf_counter()))

@@ -93,6 +93,11 @@ class Layout:
                 f"from the DP ranks; choose ep among {', '.join(map(str, divisors(self.dp)))}"
             )
 
+    def __repr__(self) -> str:
+        shown = {"tp": self.tp, "pp": self.pp, "dp": self.dp, "cp": self.cp}
+        shown |= {"ep": self.ep} if self.ep > 1 else {}  # carved from dp: news only when used
+        return f"Layout({', '.join(f'{k}={v}' for k, v in shown.items())})"
+
     @property
     def sizes(self) -> dict[str, int]:
         """{axis: size} in rank order (fastest first)."""

@@ -94,6 +94,7 @@ def train(
             f"{dist.get_world_size()}; launch {parallel.world} ranks"
         )
     parallel.check(config)
+    check_saving(parallel, cfg.ckpt_dir, out)
     mesh = Mesh(parallel.layout)
     chunks = stage_chunks(config, parallel, mesh, cfg.seed)
     step = build_step(chunks, mesh, parallel, cfg)
@@ -119,6 +120,16 @@ def train(
             state = gather_pipeline_state(chunks, mesh, parallel.stage_split)
         write_dense(state, config, cfg, out, tok)
     return summary
+
+
+def check_saving(parallel: ParallelConfig, ckpt_dir: str | None, out: str | None) -> None:
+    """Raise a ValueError if this run cannot save what it is asked to (expert parallelism)."""
+    if parallel.ep > 1 and (ckpt_dir or out is not None):
+        raise ValueError(
+            f"ep = {parallel.ep}: checkpoints and model directories of an expert-parallel run "
+            "are not supported (its experts lie on different DP ranks, which the shard map "
+            "does not name); leave out --ckpt-dir and --out, or train with ep = 1"
+        )
 
 
 def run_loop(

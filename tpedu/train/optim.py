@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from tpedu.model.gpt import TPGPT
+from tpedu.moe.expert_parallel import is_expert_parameter
 from tpedu.parallel.data_parallel import DataParallel
 from tpedu.parallel.mesh import Mesh
 from tpedu.parallel.pipeline.runtime import tied_head_copy, tied_params
@@ -76,5 +77,15 @@ def make_data_parallel(
         return sharded, sharded
     stage = torch.nn.ModuleList(chunks)
     low = DTYPES[cfg.dtype] if cfg.grad_reduce == "low" else None
-    dpar = DataParallel(stage, mesh.dp_group, reduce_dtype=low) if mesh.layout.dp > 1 else None
+    dpar = None
+    if mesh.layout.dp > 1:
+        # ep > 1: each EP rank's experts are its own, reduced over the ranks holding the same
+        experts = [p for n, p in stage.named_parameters() if is_expert_parameter(n)]
+        dpar = DataParallel(
+            stage,
+            mesh.dp_group,
+            reduce_dtype=low,
+            experts=experts if mesh.layout.ep > 1 else (),
+            expert_group=mesh.edp_group,
+        )
     return dpar, make_optimizer(stage, cfg)

@@ -29,6 +29,7 @@ from tpedu.data.batches import packed_batch
 from tpedu.model.config import GPTConfig
 from tpedu.model.gpt import TPGPT
 from tpedu.model.sharded_init import build_sharded
+from tpedu.moe.aux_loss import aux_loss_scale
 from tpedu.parallel.config import ParallelConfig
 from tpedu.parallel.data_parallel import DataParallel
 from tpedu.parallel.mesh import Mesh
@@ -129,6 +130,9 @@ def global_grad_norm(chunks: Sequence[TPGPT], mesh: Mesh) -> torch.Tensor:
     sq = torch.zeros((), dtype=torch.float64, device=next(chunks[0].parameters()).device)
     for chunk in chunks:
         sq += chunk.squared_grad_sum(skip=tied_head_copy(chunk))
+    if mesh.layout.ep > 1:  # each EP rank holds other experts: theirs are added over the group
+        mine = sum(chunk.squared_grad_sum(experts_only=True) for chunk in chunks)
+        sq += collectives.all_reduce(mine.clone(), mesh.ep_group) - mine
     collectives.all_reduce(sq, mesh.tp_group)
     return collectives.all_reduce(sq, mesh.pp_group).sqrt()
 
@@ -193,7 +197,11 @@ class TrainStep:
         self.opt.zero_grad(set_to_none=True)
         no_sync = dpar.no_sync if dpar else None
         scale = scaler.scale if scaler else 1.0
-        with autocast(self.cfg.dtype, next(chunks[0].parameters()).device):
+        # each micro-batch's MoE auxiliary losses weigh as its loss: (1/m) · fp16's scale
+        with (
+            autocast(self.cfg.dtype, next(chunks[0].parameters()).device),
+            aux_loss_scale(scale / len(xs)),
+        ):
             res = run_schedule(
                 chunks, self.actions, self.pipe, xs, ys, self.shape, self.dtype, step=k,
                 no_sync=no_sync, loss_scale=scale,
@@ -275,7 +283,8 @@ def train_step(
     with autocast(cfg.dtype, x.device):
         loss = model(x, y, step=step)
     opt.zero_grad(set_to_none=True)
-    (loss * scaler.scale if scaler else loss).backward()
+    with aux_loss_scale(scaler.scale if scaler else 1.0):
+        (loss * scaler.scale if scaler else loss).backward()
     model.sync_grads()
     if finish_scaled(scaler, model.parameters()):
         return loss.item(), math.inf
