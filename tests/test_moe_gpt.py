@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tests.helpers import CFG, F64, V, check, cli, data, f64, one_line_error
-from tpedu import launch
+from tpedu import checkpoint, launch
 from tpedu.model.config import GPTConfig
 from tpedu.model.dense import DenseGPT
 from tpedu.model.gpt import TPGPT
@@ -87,10 +87,10 @@ def test_the_auxiliary_losses_reach_the_router():
     assert max(x["grad"] for x in r) < TOL
 
 
-def run(config, layout, **kw):
+def run(config, layout, cfg=CFG, **kw):
     tr, va = data()
     parallel = ParallelConfig(*layout, **kw)
-    return launch(f64, parallel.world, train, config, CFG, tr, va, parallel=parallel)
+    return launch(f64, parallel.world, train, config, cfg, tr, va, parallel=parallel)
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +127,7 @@ def test_expert_parallel_training_equals_one_process(one_process, ref, layout):
         (["--experts", "6", "--dp", "4", "--ep", "4"], "experts = 6 is not divisible by ep = 4"),
         (["--experts", "4", "--dp", "2", "--ep", "2", "--zero", "1"], "ZeRO-1 with expert"),
         (["--experts", "4", "--top-k", "3"], "top_k = 3 is not supported"),
-        (["--experts", "4", "--dp", "2", "--ep", "2", "--out", "x"], "are not supported"),
+        (["--experts", "4", "--dp", "2", "--ep", "2", "--out", "x"], "--to dense --out DIR"),
         (["--experts", "4", "--sequence-parallel", "--tp", "2"], "sequence parallelism with"),
     ],
 )
@@ -166,3 +166,21 @@ def test_aux_loss_scale_scales_the_auxiliary_gradients_with_the_loss():
     """A step that backpropagates (loss / m) · S gives the attached auxiliary losses S / m too:
     every gradient, the routers' included, is exactly 3× (a scale left at 1 would not be)."""
     assert launch(scaled_worker, 1)[0] < TOL
+
+
+def test_expert_parallel_checkpoints_reshard_to_any_ep(tmp_path):
+    """Saved at step 3 of 5 at ep 2 × dp 2 (each EP rank writes its own experts, once: the
+    first of their replicas), resumed at ep 1 (dp 2: every expert on every rank), at ep 2 ×
+    tp 2 and by one process: each continues like the straight run, step for step."""
+    five = dataclasses.replace(CFG, steps=5, eval_every=5)
+    tr, va = data()
+    straight = launch(f64, 1, train, NO_AUX, five, tr, va)[0]["losses"]
+    root = tmp_path / "ep2"
+    run(NO_AUX, (1, 1, 4), ep=2, cfg=dataclasses.replace(five, ckpt_dir=str(root), save_every=3))
+    _, index = checkpoint.read_index(root / "step_00000003")
+    expert = index["tensors"]["blocks.0.mlp.experts.3.fc1.weight"]["shards"]
+    assert [s["file"] for s in expert] == ["tp0-pp0-dp1.safetensors"]  # ep rank 1's expert
+    resume = dataclasses.replace(five, resume=str(root / "step_00000003"))
+    for layout, ep in (((1, 1, 2), 1), ((2, 1, 2), 2), ((1, 1, 1), 1)):
+        losses = run(NO_AUX, layout, ep=ep, cfg=resume)[0]["losses"]
+        assert losses == pytest.approx(straight[3:], rel=F64), (layout, ep)

@@ -30,8 +30,9 @@ exactly like its parameter. Data-parallel replicas hold identical copies, so onl
 writes them; with ZeRO (any stage) the dp ranks share the writing, whole tensors each with their
 optimizer state, about 1/dp per rank (`state_writers`), gathered from the shards one flat buffer
 at a time, and each rank loads only its shards' elements: no rank ever holds the whole stage.
-On disk, then, a checkpoint depends only on (tp, pp): loading at any dp and ZeRO stage just
-reads the files, and each rank keeps the optimizer state of the parameters it updates.
+With expert parallelism each EP rank writes its own experts (named by their global index, as
+in the dense model) into its dp file. On disk, then, a checkpoint depends only on (tp, pp):
+loading at any dp, ep and ZeRO stage just reads the files, each rank the tensors it holds.
 
 "RNG state": tpedu's dropout masks are a hash of (seed, layer, call site, step, element index)
 and batches come from a generator seeded by (seed, step), so after initialisation the training

@@ -160,7 +160,7 @@ def _train(args: argparse.Namespace) -> int:
 
     parallel = checks.parallel_config(args)
     try:
-        check_saving(parallel, args.ckpt_dir, args.out)
+        check_saving(parallel, args.out)
     except ValueError as e:
         fail(str(e))
     saved = checks.read_resume(args)  # with --resume, the checkpoint's model config

@@ -94,7 +94,7 @@ def train(
             f"{dist.get_world_size()}; launch {parallel.world} ranks"
         )
     parallel.check(config)
-    check_saving(parallel, cfg.ckpt_dir, out)
+    check_saving(parallel, out)
     mesh = Mesh(parallel.layout)
     chunks = stage_chunks(config, parallel, mesh, cfg.seed)
     step = build_step(chunks, mesh, parallel, cfg)
@@ -122,13 +122,13 @@ def train(
     return summary
 
 
-def check_saving(parallel: ParallelConfig, ckpt_dir: str | None, out: str | None) -> None:
+def check_saving(parallel: ParallelConfig, out: str | None) -> None:
     """Raise a ValueError if this run cannot save what it is asked to (expert parallelism)."""
-    if parallel.ep > 1 and (ckpt_dir or out is not None):
+    if parallel.ep > 1 and out is not None:
         raise ValueError(
-            f"ep = {parallel.ep}: checkpoints and model directories of an expert-parallel run "
-            "are not supported (its experts lie on different DP ranks, which the shard map "
-            "does not name); leave out --ckpt-dir and --out, or train with ep = 1"
+            f"ep = {parallel.ep}: a dense model directory (--out) needs every expert on one "
+            "rank; save sharded checkpoints (--ckpt-dir), then `tpedu reshard CKPT --to dense "
+            "--out DIR`"
         )
 
 
