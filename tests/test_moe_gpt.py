@@ -103,17 +103,18 @@ REF = {"aux": MOE, "no aux": NO_AUX}
 
 
 @pytest.mark.parametrize(
-    "ref, layout",
+    "ref, layout, cp",
     [
-        ("aux", (1, 1, 2)),  # ep 2 = dp 2: one EP group holds the whole batch
-        ("aux", (2, 1, 2)),  # ep 2 × tp 2: each expert split over TP too
-        ("no aux", (1, 1, 4)),  # ep 2 × edp 2: experts reduced over the edp group
-        ("no aux", (1, 2, 2)),  # ep 2 × pp 2: micro-batches through two stages
+        ("aux", (1, 1, 2), 1),  # ep 2 = dp 2: one EP group holds the whole batch
+        ("aux", (2, 1, 2), 1),  # ep 2 × tp 2: each expert split over TP too
+        ("no aux", (1, 1, 4), 1),  # ep 2 × edp 2: experts reduced over the edp group
+        ("no aux", (1, 2, 2), 1),  # ep 2 × pp 2: micro-batches through two stages
+        ("no aux", (1, 1, 2), 2),  # ep 2 × cp 2: each CP rank routes its own positions
     ],
 )
-def test_expert_parallel_training_equals_one_process(one_process, ref, layout):
+def test_expert_parallel_training_equals_one_process(one_process, ref, layout, cp):
     """ep 2 carved from DP: losses, gradient norms, validation losses of every step."""
-    results = run(REF[ref], layout, ep=2)
+    results = run(REF[ref], layout, ep=2, cp=cp)
     assert all(r["losses"] == results[0]["losses"] for r in results)
     check(results[0], one_process[ref], f"ep 2 {layout}", rel=F64)
     assert one_process["aux"]["losses"][-1] != one_process["no aux"]["losses"][-1]
