@@ -126,7 +126,6 @@ def test_expert_parallel_training_equals_one_process(one_process, ref, layout, c
         (["--dp", "2", "--ep", "2"], "ep = 2 needs a mixture of experts to split"),
         (["--experts", "4", "--dp", "4", "--ep", "3"], "ep = 3 does not divide dp = 4"),
         (["--experts", "6", "--dp", "4", "--ep", "4"], "experts = 6 is not divisible by ep = 4"),
-        (["--experts", "4", "--dp", "2", "--ep", "2", "--zero", "1"], "ZeRO-1 with expert"),
         (["--experts", "4", "--top-k", "3"], "top_k = 3 is not supported"),
         (["--experts", "4", "--dp", "2", "--ep", "2", "--out", "x"], "--to dense --out DIR"),
         (["--experts", "4", "--sequence-parallel", "--tp", "2"], "sequence parallelism with"),
@@ -169,6 +168,14 @@ def test_aux_loss_scale_scales_the_auxiliary_gradients_with_the_loss():
     assert launch(scaled_worker, 1)[0] < TOL
 
 
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_zero_with_expert_parallelism_equals_one_process(one_process, zero):
+    """ep 2 × edp 2 under ZeRO: the experts' flat buffers sharded over the edp group (2 ranks),
+    the rest over dp (4): the same steps as one process."""
+    results = run(NO_AUX, (1, 1, 4), ep=2, zero=zero)
+    check(results[0], one_process["no aux"], f"ZeRO-{zero} ep 2", rel=F64)
+
+
 def test_expert_parallel_checkpoints_reshard_to_any_ep(tmp_path):
     """Saved at step 3 of 5 at ep 2 × dp 2 (each EP rank writes its own experts, once: the
     first of their replicas), resumed at ep 1 (dp 2: every expert on every rank), at ep 2 ×
@@ -182,6 +189,14 @@ def test_expert_parallel_checkpoints_reshard_to_any_ep(tmp_path):
     expert = index["tensors"]["blocks.0.mlp.experts.3.fc1.weight"]["shards"]
     assert [s["file"] for s in expert] == ["tp0-pp0-dp1.safetensors"]  # ep rank 1's expert
     resume = dataclasses.replace(five, resume=str(root / "step_00000003"))
-    for layout, ep in (((1, 1, 2), 1), ((2, 1, 2), 2), ((1, 1, 1), 1)):
-        losses = run(NO_AUX, layout, ep=ep, cfg=resume)[0]["losses"]
-        assert losses == pytest.approx(straight[3:], rel=F64), (layout, ep)
+    for layout, ep, zero in (((1, 1, 2), 1, 0), ((2, 1, 2), 2, 0), ((1, 1, 1), 1, 0),
+                             ((1, 1, 4), 2, 3)):  # fmt: skip
+        losses = run(NO_AUX, layout, ep=ep, zero=zero, cfg=resume)[0]["losses"]
+        assert losses == pytest.approx(straight[3:], rel=F64), (layout, ep, zero)
+    # saved under ZeRO-2 at ep 2, resumed by one process
+    root = tmp_path / "ep2zero2"
+    cfg = dataclasses.replace(five, ckpt_dir=str(root), save_every=3)
+    run(NO_AUX, (1, 1, 4), ep=2, zero=2, cfg=cfg)
+    resume = dataclasses.replace(five, resume=str(root / "step_00000003"))
+    losses = run(NO_AUX, (1, 1, 1), cfg=resume)[0]["losses"]
+    assert losses == pytest.approx(straight[3:], rel=F64)

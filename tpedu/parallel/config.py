@@ -138,9 +138,3 @@ def check_expert_parallel(config: GPTConfig, parallel: ParallelConfig) -> None:
             "(--experts E) or use ep = 1"
         )
     check_experts_divide(config.experts, parallel.ep)
-    if parallel.zero:
-        raise ValueError(
-            f"ZeRO-{parallel.zero} with expert parallelism is not built: the experts' shards "
-            "would need flat buffers of their own over the expert-data-parallel group; use "
-            "zero = 0 with ep > 1"
-        )

@@ -84,8 +84,11 @@ class FlatBuffer:
         decayed: bool,
         gather_dtype: torch.dtype | None = None,
         level: int = 2,
+        mean_over: int | None = None,
     ) -> None:
         self.params, self.group, self.reduce_dtype = params, group, reduce_dtype
+        # the gradient sum's divisor: the group size, or the whole DP size for experts
+        self.mean_over = mean_over or dist.get_world_size(group)
         self.gather_dtype = gather_dtype  # all-gather in this dtype (then widened), or as is
         self.narrow: torch.Tensor | None = None  # the gather_dtype buffer while a gather runs
         self.decayed = decayed  # whether AdamW decays this buffer's shard
@@ -216,12 +219,12 @@ class FlatBuffer:
             self.reduce_grads()
         self.grad_work.wait()
         if self.grads is None:
-            self.shard.grad = self.grad_out.to(self.shard.dtype).div_(self.size)
+            self.shard.grad = self.grad_out.to(self.shard.dtype).div_(self.mean_over)
         else:
             mean = self.grads[self.mine]
             if self.grad_out.data_ptr() != mean.data_ptr():  # reduced in a reduce_dtype
                 mean.copy_(self.grad_out)
-            self.shard.grad = mean.div_(self.size)
+            self.shard.grad = mean.div_(self.mean_over)
         self.ready, self.grad_out, self.grad_work = 0, None, None
 
     def write_params(self) -> None:
@@ -284,6 +287,9 @@ class ShardedDataParallel(GradientSync):
     `gather_dtype` (e.g. torch.bfloat16): all-gather the parameters in it, half the bytes, the
     replicas' parameters then rounded to it (AdamW's fp32 shards are not); `prefetch`
     (ZeRO-3): start the neighbouring block's all-gather early (False: only when it is needed).
+    `experts` (expert parallelism, lesson 19): parameters of this rank's experts, in buffers of
+    their own sharded over `expert_group` (the ranks holding the same experts), their gradient
+    sums divided by the whole DP size as DataParallel's are.
 
     Many parameters because the AdamW settings (lr, betas, weight_decay) are torch.optim.AdamW's
     own, beside ZeRO's (level, dtypes, prefetch).
@@ -304,6 +310,8 @@ class ShardedDataParallel(GradientSync):
         betas: tuple[float, float] = (0.9, 0.95),
         weight_decay: float = 0.0,
         prefetch: bool = True,
+        experts: Sequence[nn.Parameter] = (),
+        expert_group: dist.ProcessGroup | None = None,
     ) -> None:
         if level not in LEVELS:
             raise ValueError(f"ShardedDataParallel level must be one of {LEVELS}, got {level}")
@@ -311,6 +319,7 @@ class ShardedDataParallel(GradientSync):
         self.decay, self.weight_of, self.reduce_dtype = decay, weight_of, reduce_dtype
         self.gather_dtype = gather_dtype
         self.deferred = {id(p) for p in defer}
+        self.experts, self.expert_group = {id(p) for p in experts}, expert_group
         self.peak_gathered = 0  # ZeRO-3: most bytes of whole parameters held at once
         self.units: list[_Unit] = []
         for chunk in chunks:
@@ -349,27 +358,30 @@ class ShardedDataParallel(GradientSync):
         trainable parameters, with the gradient hooks that reduce and free them."""
         named = [(n, p) for n, p in named if p.requires_grad]
         buffers = []
-        for decayed in (True, False):
-            for late in (False, True):
-                part = [
-                    (n, p)
-                    for n, p in named
-                    if self.decay(p) == decayed and (id(p) in self.deferred) == late
-                ]
-                if part:
-                    weights = [self.weight_of(chunk, n) for n, _ in part]
-                    buf = FlatBuffer(
-                        [p for _, p in part],
-                        weights,
-                        self.group,
-                        self.reduce_dtype,
-                        decayed,
-                        self.gather_dtype,
-                        self.level,
-                    )
-                    for _, p in part:
-                        p.register_post_accumulate_grad_hook(self._grad_hook(buf, late))
-                    buffers.append(buf)
+        dp = dist.get_world_size(self.group)
+        for decayed, late, expert in itertools.product((True, False), (False, True), (False, True)):
+            part = [
+                (n, p)
+                for n, p in named
+                if self.decay(p) == decayed
+                and (id(p) in self.deferred) == late
+                and (id(p) in self.experts) == expert
+            ]
+            if part:
+                weights = [self.weight_of(chunk, n) for n, _ in part]
+                buf = FlatBuffer(
+                    [p for _, p in part],
+                    weights,
+                    self.expert_group if expert else self.group,
+                    self.reduce_dtype,
+                    decayed,
+                    self.gather_dtype,
+                    self.level,
+                    mean_over=dp,
+                )
+                for _, p in part:
+                    p.register_post_accumulate_grad_hook(self._grad_hook(buf, late))
+                buffers.append(buf)
         unit = _Unit(module, buffers, root)
         for _, p in named:
             p.register_post_accumulate_grad_hook(self._unit_hook(unit))

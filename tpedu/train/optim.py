@@ -63,7 +63,14 @@ def make_sharded(
         lr=cfg.lr,
         betas=(0.9, 0.95),
         weight_decay=cfg.weight_decay,
+        experts=expert_params(chunks) if mesh.layout.ep > 1 else (),
+        expert_group=mesh.edp_group,
     )
+
+
+def expert_params(chunks: Sequence[TPGPT]) -> list[torch.nn.Parameter]:
+    """This rank's experts' parameters: with ep > 1 reduced over the edp group only."""
+    return [p for c in chunks for n, p in c.named_parameters() if is_expert_parameter(n)]
 
 
 def make_data_parallel(
@@ -80,12 +87,11 @@ def make_data_parallel(
     dpar = None
     if mesh.layout.dp > 1:
         # ep > 1: each EP rank's experts are its own, reduced over the ranks holding the same
-        experts = [p for n, p in stage.named_parameters() if is_expert_parameter(n)]
         dpar = DataParallel(
             stage,
             mesh.dp_group,
             reduce_dtype=low,
-            experts=experts if mesh.layout.ep > 1 else (),
+            experts=expert_params(chunks) if mesh.layout.ep > 1 else (),
             expert_group=mesh.edp_group,
         )
     return dpar, make_optimizer(stage, cfg)
