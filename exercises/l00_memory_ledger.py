@@ -1,7 +1,8 @@
 """Lesson 00 exercise: the memory ledger (显存账本).
 
 Fill in the three functions, then run `make grade`. The notebook 00_why_parallelism.ipynb uses
-them through `pick("l00_memory_ledger")` once they are done.
+each function through `pick("l00_memory_ledger")` once you have written it (the reference until
+then).
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """Exercise l01: split one matmul Y = X·W by columns (列并行) and by rows (行并行).
 
 W is [in, out] (for an nn.Linear, W = weight.T). "Ranks" are list entries: no processes yet.
-Fill in each body, then run `make grade`. The reference is tpedu/tp/matmul_split.py (no peeking
-until you have tried).
+Fill in each body, then run `make grade`.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ Communicate only through tpedu.comm.collectives (so the tests' tracer sees it):
     collectives.all_reduce(x, group, op=dist.ReduceOp.MAX)    # in place, returns x
 
 Fill in both functions, then run `make grade`. Only the forward is graded (your version need
-not be differentiable). The reference is tpedu/tp/vocab_parallel.py.
+not be differentiable).
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
-"""Exercise l16: the bug hunt. Notebook 15 shows six mystery cases: a run of tpedu with one
+"""Exercise l16: the bug hunt. Lesson 16 shows six mystery cases: a run of tpedu with one
 function broken, the symptom a practitioner would see, and the check that fails.
 
 Each function below is the correct version of one broken function. Match each case to the
 function whose contract its symptom breaks (the docstrings state both), read the tpedu code the
 case points at, and write the function here. `hunt.mystery(k, fix=pick("l16_bug_hunt"))` runs
-case k's check with your function in place of the broken one; `make grade` runs every case.
+case k's check with your function in place of the broken one (the reference's while yours still
+raises NotImplementedError); `make grade` runs every case.
 
 Communicate only through tpedu.comm.collectives (so the tests' tracer sees it).
 """

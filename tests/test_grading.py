@@ -223,3 +223,168 @@ def test_solutions_are_written_out_not_re_exported():
 def _public_classes(name):
     tree = ast.parse((ROOT / "exercises" / f"{name}.py").read_text(encoding="utf-8"))
     return {n.name for n in tree.body if isinstance(n, ast.ClassDef)}
+
+
+# ---- pick: the learner's functions where written, the reference's for the rest
+
+_EXERCISE = """
+SCALE = 10  # the learner's own constant
+
+
+def double(x):
+    return 2 * x * SCALE // 10
+
+
+def quadruple_plus_one(x):
+    return double(double(x)) + 1  # calls its neighbour: the reference's while that one is a stub
+
+
+def triple(x):
+    raise NotImplementedError("l99: write triple; hint: tpedu.grading.hint('l99', 1)")
+
+
+class Counter:
+    def __init__(self):
+        self.n = 0
+
+    def bump(self):
+        raise NotImplementedError("l99: write bump; hint: tpedu.grading.hint('l99', 1)")
+"""
+
+_REFERENCE = """
+def double(x):
+    return -1  # never right: shows when the reference's double ran
+
+
+def quadruple_plus_one(x):
+    return -1
+
+
+def triple(x):
+    return 3 * x
+
+
+class Counter:
+    def __init__(self):
+        self.n = 100
+
+    def bump(self):
+        self.n += 1
+        return self.n
+"""
+
+
+@pytest.fixture
+def demo_course(tmp_path, monkeypatch):
+    """A course of one exercise, l99_demo, in tmp_path: exercises/ and solutions/ packages."""
+    for kind, text in (("exercises", _EXERCISE), ("solutions", _REFERENCE)):
+        (tmp_path / kind).mkdir()
+        (tmp_path / kind / "__init__.py").write_text("")
+        (tmp_path / kind / "l99_demo.py").write_text(text)
+    monkeypatch.setattr(grading, "ROOT", tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in ("exercises", "solutions", "solutions.l99_demo", "exercises.l99_demo"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    monkeypatch.delenv("TPEDU_IMPL", raising=False)
+    yield tmp_path / "exercises" / "l99_demo.py"
+    for name, module in list(sys.modules.items()):  # monkeypatch then restores the real ones
+        if str(getattr(module, "__file__", None) or "").startswith(str(tmp_path)):
+            del sys.modules[name]
+
+
+def test_pick_mixes_the_learners_functions_with_the_references(demo_course, capsys):
+    m = grading.pick("l99")
+    line = capsys.readouterr().out.strip()
+    ref = grading.implementation("l99_demo", "solutions")
+    assert m.double(4) == 8 and m.double is not ref.double  # written: the learner's
+    assert m.triple is ref.triple and m.triple(4) == 12  # a stub: the reference's
+    assert m.Counter is ref.Counter and m.Counter().bump() == 101  # a class with a stub method
+    assert m.quadruple_plus_one(1) == 5  # the learner's, calling the learner's double
+    assert m.SCALE == 10  # the learner's module keeps its own names
+    assert grading.whose(m, "double") == "yours" and grading.whose(m, "triple") == "reference"
+    assert line == (
+        "l99_demo: yours: double, quadruple_plus_one · reference: triple, Counter "
+        "(still raise NotImplementedError; Counter runs as a whole class: bump not written yet)"
+    )
+    # the grader's module is untouched: its stub still raises
+    with pytest.raises(NotImplementedError):
+        grading.implementation("l99_demo", "exercises").triple(1)
+
+
+def test_a_written_function_calls_the_references_helper_while_its_own_is_a_stub(
+    demo_course, capsys
+):
+    text = demo_course.read_text()
+    stubbed = text.replace("return 2 * x * SCALE // 10", "raise NotImplementedError('l99')")
+    demo_course.write_text(stubbed)
+    m = grading.pick("l99_demo")  # the file is read again: the edit counts
+    ref = grading.implementation("l99_demo", "solutions")
+    assert m.double is ref.double
+    assert (
+        m.quadruple_plus_one(1) == 0
+    )  # the learner's code, through the reference's double: -1 + 1
+    assert (
+        "yours: quadruple_plus_one · reference: double, triple, Counter" in capsys.readouterr().out
+    )
+
+
+def test_pick_when_everything_is_written_and_when_forced(demo_course, capsys, monkeypatch):
+    text = demo_course.read_text().replace(
+        "raise NotImplementedError(\"l99: write triple; hint: tpedu.grading.hint('l99', 1)\")",
+        "return x + x + x",
+    )
+    demo_course.write_text(
+        text.replace(
+            "raise NotImplementedError(\"l99: write bump; hint: tpedu.grading.hint('l99', 1)\")",
+            "self.n += 1\n        return self.n",
+        )
+    )
+    m = grading.pick("l99")
+    assert m.Counter().bump() == 1 and grading.whose(m, "triple") == "yours"
+    assert capsys.readouterr().out.strip() == (
+        "l99_demo: your code runs for every function and class: "
+        "double, quadruple_plus_one, triple, Counter"
+    )
+    monkeypatch.setenv("TPEDU_IMPL", "solutions")
+    m = grading.pick("l99")
+    assert m is grading.implementation("l99_demo", "solutions") and m.double(4) == -1
+    assert grading.whose(m, "double") == "reference"
+    assert capsys.readouterr().out.strip() == (
+        "l99_demo: the reference runs for every function and class (TPEDU_IMPL=solutions): "
+        "double, quadruple_plus_one, triple, Counter"
+    )
+    monkeypatch.setenv("TPEDU_IMPL", "nonsense")
+    with pytest.raises(ValueError, match="TPEDU_IMPL must be one of"):
+        grading.pick("l99")
+
+
+def test_pick_names_every_function_of_the_real_exercises(monkeypatch, capsys):
+    """Under TPEDU_IMPL=solutions (the stored notebook outputs), one line per exercise that
+    lists every public function and class of its stub file, and the reference module itself."""
+    monkeypatch.setenv("TPEDU_IMPL", "solutions")
+    for name in grading.exercise_names():
+        m = grading.pick(name)
+        assert m is grading.implementation(name, "solutions")
+        line = capsys.readouterr().out.strip()
+        tree = ast.parse((ROOT / "exercises" / f"{name}.py").read_text(encoding="utf-8"))
+        public = [
+            n.name
+            for n in tree.body
+            if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and not n.name.startswith("_")
+        ]
+        assert line.startswith(f"{name}: the reference runs for every ") and line.endswith(
+            "(TPEDU_IMPL=solutions): " + ", ".join(public)
+        ), line
+
+
+def test_the_bug_hunt_says_when_the_reference_ran():
+    """hunt.mystery(k, fix=m) reports "your fix" only when the case's function is the learner's."""
+    from tpedu.course import hunt
+
+    ref = grading.implementation("l16_bug_hunt", "solutions")
+    assert {grading.whose(ref, case.function) for case in hunt.CASES} == {"reference"}
+    per_rank = [("", True, "ok")] * hunt.world(1)
+    assert str(hunt.report(1, per_rank, fixed=True, by="reference")).startswith(
+        "Case 1 with the reference's fix. "
+    )
+    assert str(hunt.report(1, per_rank, fixed=True)).startswith("Case 1 with your fix. ")

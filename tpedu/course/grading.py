@@ -5,6 +5,9 @@ use, and score it.
 Tests never import either directly; they call `implementation("X")`, which follows the
 environment variable TPEDU_IMPL ("solutions" by default, "exercises" under `make grade`). This is
 the one indirection (an adapter, as in Stanford CS336) that lets the same tests grade both.
+Notebooks call `pick("X")` instead: each function or class of exercises/X.py the learner has
+written, the reference's for each one that still raises NotImplementedError, and a printed line
+saying which.
 
     python -m tpedu.course.grading            # score exercises/ (what `make grade` runs)
     python -m tpedu.course.grading solutions  # the reference must get full marks
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import importlib.util
 import json
 import os
 import re
@@ -49,35 +53,144 @@ def implementation(name: str, kind: str | None = None) -> ModuleType:
     return importlib.import_module(f"{kind}.{name}")
 
 
+def _raises_not_implemented(node: ast.AST) -> bool:
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.Raise) and sub.exc is not None:
+            target = sub.exc.func if isinstance(sub.exc, ast.Call) else sub.exc
+            if isinstance(target, ast.Name) and target.id == "NotImplementedError":
+                return True
+    return False
+
+
 def stubs(name: str) -> list[str]:
-    """Functions in exercises/`name`.py that still `raise NotImplementedError`."""
+    """Functions in exercises/`name`.py that still `raise NotImplementedError` (a class's
+    methods under their own names)."""
     tree = ast.parse((ROOT / "exercises" / f"{name}.py").read_text(encoding="utf-8"))
+    return [
+        node.name
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and _raises_not_implemented(node)
+    ]
+
+
+@dataclass
+class _Part:
+    """A public top-level function or class of an exercise file."""
+
+    name: str
+    is_class: bool
+    methods: list[str]  # a class's methods; [] for a function
+    unwritten: list[str]  # what still raises NotImplementedError: [name] or some methods
+
+
+def _parts(path: Path) -> list[_Part]:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
     found = []
-    for node in ast.walk(tree):
+    for node in tree.body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            for sub in ast.walk(node):
-                if isinstance(sub, ast.Raise) and sub.exc is not None:
-                    target = sub.exc.func if isinstance(sub.exc, ast.Call) else sub.exc
-                    if isinstance(target, ast.Name) and target.id == "NotImplementedError":
-                        found.append(node.name)
-                        break
+            if not node.name.startswith("_"):
+                stub = [node.name] if _raises_not_implemented(node) else []
+                found.append(_Part(node.name, False, [], stub))
+        elif isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+            methods = [
+                f for f in node.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+            ]
+            stub = [f.name for f in methods if _raises_not_implemented(f)]
+            found.append(_Part(node.name, True, [f.name for f in methods], stub))
     return found
 
 
-def pick(name: str) -> ModuleType:
-    """For notebooks: the learner's exercise if it is complete, else the reference; says which.
+def _load_learner(name: str) -> ModuleType:
+    """A fresh module run from exercises/`name`.py, registered in sys.modules as
+    `picked_<name>` (forked ranks import it by that name). Read anew on every call, so an edit
+    counts without restarting the kernel; the module the grader tests,
+    `implementation(name, "exercises")`, is a different object and stays as the file made it."""
+    path = ROOT / "exercises" / f"{name}.py"
+    module_name = f"picked_{name}"
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    if spec is None:
+        raise ImportError(f"cannot load {path}")
+    module = importlib.util.module_from_spec(spec)
+    code = compile(path.read_text(encoding="utf-8"), str(path), "exec", dont_inherit=True)
+    sys.modules[module_name] = module
+    try:
+        exec(code, module.__dict__)
+    except BaseException:
+        sys.modules.pop(module_name, None)
+        raise
+    return module
 
-    TPEDU_IMPL=solutions (set by `make test` and `make notebooks`) forces the reference, so the
-    stored notebook outputs do not depend on the learner's progress.
+
+def _raise(n: int) -> str:
+    return "still raises NotImplementedError" if n == 1 else "still raise NotImplementedError"
+
+
+def pick(name: str) -> ModuleType:
+    """For notebooks: exercise `name` ("l05_qkv_split" or "l05") with each function or class
+    you have written, and the reference's (solutions/`name`.py) for each one that still raises
+    NotImplementedError. Prints one line saying whose code runs, function by function.
+
+    The reference's pieces go into your module's namespace, so a function of yours that calls
+    one you have not written yet calls the reference's. A class is one piece: it is yours once
+    none of its methods raises NotImplementedError. Your file is read again on every call: after
+    editing it, run the cell with `pick` again.
+
+    TPEDU_IMPL=solutions (set by `make test` and when the notebooks are regenerated) runs the
+    reference for everything, so the stored notebook outputs do not depend on the learner's
+    progress; TPEDU_IMPL=exercises runs your module alone, unwritten functions included.
     """
+    name = resolve(name)
     forced = os.environ.get("TPEDU_IMPL")
-    left = stubs(name)
-    if forced == "solutions" or (forced is None and left):
-        why = "TPEDU_IMPL=solutions" if forced == "solutions" else f"still to do: {', '.join(left)}"
-        print(f"Using the reference solutions/{name}.py ({why}).")
+    if forced is not None and forced not in KINDS:
+        raise ValueError(f"TPEDU_IMPL must be one of {KINDS}, got {forced!r}")
+    parts = _parts(ROOT / "exercises" / f"{name}.py")
+    kinds = sorted({p.is_class for p in parts})  # False (functions) first
+    every = "every " + " and ".join("class" if k else "function" for k in kinds or [False])
+    if forced == "solutions":
+        names = ", ".join(p.name for p in parts)
+        print(f"{name}: the reference runs for {every} (TPEDU_IMPL=solutions): {names}")
         return implementation(name, "solutions")
-    print(f"Using your exercises/{name}.py.")
-    return implementation(name, "exercises")
+    if forced == "exercises":
+        left = [p.name for p in parts if p.unwritten]
+        tail = f"; {', '.join(left)} {_raise(len(left))}" if left else ""
+        print(f"{name}: your code runs for {every} (TPEDU_IMPL=exercises){tail}")
+        return implementation(name, "exercises")
+
+    module = _load_learner(name)
+    reference = implementation(name, "solutions")
+    yours = [p.name for p in parts if not p.unwritten]
+    theirs = [p.name for p in parts if p.unwritten]
+    for n in theirs:
+        setattr(module, n, getattr(reference, n))
+    missing = [p.name for p in _parts(Path(reference.__file__)) if not hasattr(module, p.name)]
+    for n in missing:  # deleted from your file: the notebook still needs it
+        setattr(module, n, getattr(reference, n))
+    if not theirs and not missing:
+        print(f"{name}: your code runs for {every}: {', '.join(yours)}")
+        return module
+    notes = [_raise(len(theirs))] if theirs else []
+    notes += [
+        f"{p.name} runs as a whole class: {', '.join(p.unwritten)} not written yet"
+        for p in parts
+        if p.is_class and p.unwritten and len(p.unwritten) < len(p.methods)
+    ]
+    notes += [f"{', '.join(missing)} not in your file"] if missing else []
+    print(
+        f"{name}: yours: {', '.join(yours) or 'none yet'} · "
+        f"reference: {', '.join(theirs + missing)} ({'; '.join(notes)})"
+    )
+    return module
+
+
+def whose(module: ModuleType, attribute: str) -> str:
+    """Whose code `module.<attribute>` is, for a module `pick` returned: "reference" when it is
+    the reference's object, else "yours"."""
+    name = module.__name__.rpartition(".")[2].removeprefix("picked_")
+    if name not in exercise_names():
+        return "yours"
+    reference = implementation(name, "solutions")
+    return "reference" if getattr(module, attribute) is getattr(reference, attribute) else "yours"
 
 
 def exercise_names() -> list[str]:

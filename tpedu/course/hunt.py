@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from tpedu.comm.device import device
-from tpedu.course import bugzoo
+from tpedu.course import bugzoo, grading
 from tpedu.course.claims import within
 from tpedu.course.troubleshoot import TOLERANCE, compare_with_dense
 from tpedu.launcher import launch
@@ -285,8 +285,10 @@ class Report:
         return self.text
 
 
-def report(k: int, per_rank: list[tuple[str, bool, str]], fixed: bool) -> Report:
-    """The text of case k from every rank's `run_case` result (rank 0's view of the symptom)."""
+def report(k: int, per_rank: list[tuple[str, bool, str]], fixed: bool, by: str = "yours") -> Report:
+    """The text of case k from every rank's `run_case` result (rank 0's view of the symptom);
+    with `fixed`, `by` says whose function ran in place of the broken one: "yours" or
+    "reference" (pick put the reference's in, as yours still raises NotImplementedError)."""
     check = bugzoo.BUGS[_case(k).bug].check
     ok = all(r[1] for r in per_rank)
     verdicts = [
@@ -296,7 +298,8 @@ def report(k: int, per_rank: list[tuple[str, bool, str]], fixed: bool) -> Report
     head = f"The check bugzoo.{check.__name__} ({doc})"
     if fixed:
         title = "passes on every rank. Case closed." if ok else "still fails."
-        return Report(f"Case {k} with your fix. {head} {title}\n" + "\n".join(verdicts), ok)
+        fix = "your fix" if by == "yours" else "the reference's fix"
+        return Report(f"Case {k} with {fix}. {head} {title}\n" + "\n".join(verdicts), ok)
     text = [f"Case {k} ({world(k)} ranks). {_case(k).story}", ""]
     text += [per_rank[0][0], ""] if per_rank[0][0] else []
     text += [f"{head} fails:" if not ok else f"{head}:", *verdicts, "", f"Read: {_case(k).read}"]
@@ -308,4 +311,5 @@ def mystery(k: int, fix: ModuleType | None = None, timeout: float = 120) -> Repo
     e.g. pick("l16_bug_hunt")) whether the check passes with that module's function."""
     name = fix.__name__ if fix is not None else None
     per_rank = launch(run_case, world(k), k, name, timeout=timeout)
-    return report(k, per_rank, fix is not None)
+    by = grading.whose(fix, _case(k).function) if fix is not None else "yours"
+    return report(k, per_rank, fix is not None, by)

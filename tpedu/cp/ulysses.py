@@ -8,8 +8,10 @@ output brings each rank its positions again:
     q, k, v [b, h, s/cp, d] --all-to-all--> [b, h/cp, s, d] --attention--> --all-to-all--> [b, h, s/cp, d]
 
 4 all-to-alls per layer forward (q, k, v, out), 4 backward (their gradients), each moving
-(cp − 1)/cp of the tensor. The limit: cp must divide the heads, query and KV, that TP leaves on
-the rank (GQA with 2 KV heads allows cp ≤ 2); the ring has no such limit.
+(cp − 1)/cp of the tensor. The limit here: cp must divide the heads, query and KV, that TP leaves
+on the rank (GQA with 2 KV heads allows cp ≤ 2). Replicating each KV head cp / n_kv times before
+the all-to-all, as DeepSpeed-Ulysses does for GQA, would lift the KV limit; this module does not.
+The ring has no such limit.
 The gathered positions arrive in rank order; they are put in sequence order (any assignment,
 contiguous or zig-zag) before the causal attention and back after it.
 """
