@@ -14,15 +14,17 @@ step's 2·layers + 1 all-reduces of b·H values: the part of a step that is comm
 
 Part 2, predicted: one decode step of a batch of b sequences on a GPU, per TP rank, reads its
 share of the weights (bf16: 2·N/tp bytes) and of the KV cache, and runs 2·layers + 1
-all-reduces of b·h values (tpedu.analysis.whatif.decode_prediction, with the α-β ring model
-of lesson 15); the matmuls are b·2N/tp FLOPs, far below what the reads take at small b:
+all-reduces of b·h values (tpedu.analysis.whatif.decode_prediction: each at the cheaper of
+lesson 15's α-β ring and NCCL's own estimate for its low-latency protocol, as NCCL picks its
+protocol by size); the matmuls are b·2N/tp FLOPs, far below what the reads take at small b:
 
     step = 2·N/tp / (HBM · efficiency) + KV bytes / tp / (HBM · efficiency) + (2L+1)·AR(b·h·2)
 
 HBM bandwidths are the datasheets' (H100 SXM 3.35 TB/s, A100 SXM 80 GB 2.0 TB/s), reached at
-`--hbm-efficiency` (0.8). The ring all-reduce's α (5 µs per step) makes a 2(t-1)-step ring
-latency-bound for these small messages: inference engines use one-shot all-reduces over
-NVLink to cut it, which this model does not include.
+`--hbm-efficiency` (0.8). A few-KB all-reduce costs NCCL's latency, not bandwidth: 6.6 µs per
+call plus 0.6 µs per ring step on NVLink (its tuning model), where the α-β ring's 5 µs per
+step would charge 2(t-1) whole calls. Inference engines cut it further with one-shot
+all-reduces over NVLink, which this model does not include.
 """
 
 from __future__ import annotations

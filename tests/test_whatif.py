@@ -178,3 +178,21 @@ def test_long_context_splits_activations_and_prices_the_ring():
     assert four["cp_comm"] == pytest.approx(40 * (1e-4 + 512 / 1e8), rel=1e-12)
     with pytest.raises(ValueError, match="divisible by 2·cp"):
         long_context(dataclasses.replace(m, seq_len=60), tp=2, cp=4)
+
+
+def test_small_all_reduces_are_priced_as_nccl_prices_them():
+    """NCCL's LL estimate for a few-KB all-reduce (6.6 µs + 0.6 µs per ring step) is several
+    times below the α-β ring's 2(t-1)·α at tp 8, and decode_prediction takes the cheaper one,
+    as NCCL picks its protocol by size; at tp 1 nothing is sent."""
+    from tpedu.analysis.shape import ModelShape
+    from tpedu.analysis.whatif import H100_SXM, decode_prediction
+
+    n = 2 * 4096  # one decode step's b·H bf16 values at batch 1
+    assert H100_SXM.small_all_reduce(n, 1) == 0.0
+    steps = 2 * 7
+    want = 6.6e-6 + steps * 0.6e-6 + steps / 8 * n / 87.7e9
+    assert H100_SXM.small_all_reduce(n, 8) == pytest.approx(want, rel=1e-12)
+    assert H100_SXM.all_reduce(n, 8) > 4 * H100_SXM.small_all_reduce(n, 8)
+    p = decode_prediction(ModelShape(), H100_SXM, 3.35e12, 8, 1, 2048)
+    assert p["comm"] == pytest.approx(65 * H100_SXM.small_all_reduce(n, 8), rel=1e-12)
+    assert p["ring_comm"] == pytest.approx(65 * H100_SXM.all_reduce(n, 8), rel=1e-12)

@@ -61,6 +61,13 @@ class Hardware:
     intra_alpha: float = 5e-6  # seconds per ring step (NCCL, NVLink)
     inter_alpha: float = 10e-6
     bus_efficiency: float = 0.8  # fraction of the link a ring all-reduce reaches
+    # Small messages: NCCL's own estimate for its ring with the low-latency (LL) protocol
+    # (src/graph/tuning.cc): a base latency per call, a hardware latency per ring step (NVLink's;
+    # PCIe's is 1 µs), and LL's bus bandwidth (Hopper's; the others' differ, and matter little
+    # for the few KB a decode step all-reduces).
+    ll_alpha: float = 6.6e-6
+    ll_step_alpha: float = 0.6e-6
+    ll_bus_bw: float = 87.7e9
 
     @property
     def intra(self) -> AlphaBeta:
@@ -95,10 +102,22 @@ class Hardware:
             t += self.intra.predict("all_gather", nbytes, per_node)
         return t
 
+    def small_all_reduce(self, nbytes: float, ranks: int) -> float:
+        """Seconds for one all-reduce of `nbytes` over `ranks` GPUs of one node as NCCL prices
+        its LL protocol: ll_alpha + 2(t-1)·ll_step_alpha + 2(t-1)/t·nbytes / ll_bus_bw. For the
+        few KB of a decode step it is several times below the α-β ring's 2(t-1)·α, which
+        charges every ring step what a whole NCCL call costs."""
+        if ranks == 1:
+            return 0.0
+        steps = 2 * (ranks - 1)
+        return self.ll_alpha + steps * self.ll_step_alpha + steps / ranks * nbytes / self.ll_bus_bw
+
 
 GB = 1e9
 H100_SXM = Hardware("H100 SXM, NVLink 4, 400 Gb/s IB", 989e12, 450 * GB, 50 * GB)
-H100_PCIE = Hardware("H100 PCIe 5 (no NVLink), 400 Gb/s", 756e12, 64 * GB, 50 * GB)
+H100_PCIE = Hardware(
+    "H100 PCIe 5 (no NVLink), 400 Gb/s", 756e12, 64 * GB, 50 * GB, ll_step_alpha=1.0e-6
+)
 A100_SXM = Hardware("A100 SXM, NVLink 3, 200 Gb/s HDR IB", 312e12, 300 * GB, 25 * GB)
 # Megatron-LM 2019: DGX-2H, 16 V100 on NVSwitch, 8 × 100 Gb/s IB per 16 GPUs.
 V100_DGX2 = Hardware(
@@ -370,18 +389,22 @@ def decode_prediction(
 
     Each TP rank reads its share of the bf16 weights (2·N/tp bytes) and of the KV cache (its own
     KV heads, or one replica of a head when tp > kv_heads), from HBM at hbm·eff bytes/s, and runs
-    2·layers + 1 all-reduces of batch·hidden bf16 values (`Hardware.all_reduce`). The matmuls
+    2·layers + 1 all-reduces of batch·hidden bf16 values, each at the cheaper of the α-β ring
+    (`Hardware.all_reduce`) and NCCL's small-message estimate (`small_all_reduce`), as NCCL picks
+    its protocol by size; `ring_comm` is the ring's price alone. The matmuls
     (batch·2N/tp FLOPs) hide under the reads at small batch and are not counted.
-    Returns weights, kv, comm, total (seconds) and bytes_per_token (weight bytes per rank per
-    generated token: 2·N/(tp·batch)).
+    Returns weights, kv, comm, total, ring_comm (seconds) and bytes_per_token (weight bytes per
+    rank per generated token: 2·N/(tp·batch)).
     """
     weights = 2 * shape.n_params / tp  # bf16 bytes this rank reads
     kv_heads_r = max(1.0, shape.kv_heads / tp)
     kv = 2 * 2 * shape.n_layers * batch * context * kv_heads_r * shape.head_dim  # K and V, bf16
-    comm = (2 * shape.n_layers + 1) * hw.all_reduce(2 * batch * shape.hidden, tp)
+    n, calls = 2 * batch * shape.hidden, 2 * shape.n_layers + 1
+    comm = calls * min(hw.all_reduce(n, tp), hw.small_all_reduce(n, tp))
     out = {"weights": weights / (hbm * eff), "kv": kv / (hbm * eff), "comm": comm}
     out["total"] = sum(out.values())
     out["bytes_per_token"] = weights / batch
+    out["ring_comm"] = calls * hw.all_reduce(n, tp)
     return out
 
 
