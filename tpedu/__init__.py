@@ -66,6 +66,7 @@ imports only its own layer and those below it: tests/test_structure.py checks it
         hf_map            the one table from Hugging Face tensors to tpedu's dense tensors
         hf_gpt2           Hugging Face GPT-2 (GPT2LMHeadModel) <-> tpedu
         hf_llama          Hugging Face Llama (LlamaForCausalLM) <-> tpedu
+        hf_mixtral        Hugging Face Mixtral (MixtralForCausalLM) <-> tpedu's MoE GPT (19)
     serve/                serving with a KV cache sharded by heads (lesson 17)
         generate          batched generation: prefill every prompt at once, then one-token decodes
     analysis/             arithmetic from a model's shape (lessons 00, 10, 13, 15)

@@ -11,6 +11,7 @@
               HFSlice (one rank's slices read from the safetensors files)
     hf_gpt2   GPT-2 (GPT2LMHeadModel) in that table: Conv1D weights transposed, fused c_attn
     hf_llama  Llama (LlamaForCausalLM) in that table: q_proj, k_proj, v_proj stacked into QKV
+    hf_mixtral  Mixtral (MixtralForCausalLM): Llama's table plus the router and each expert's w1/w3/w2
 
 The split and merge rules the checkpoints use live in tpedu.model.state (re-exported here with the
 public names of files, index, writer, reader and convert). The training loop's hooks (save

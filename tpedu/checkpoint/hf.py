@@ -1,4 +1,4 @@
-"""Lesson 14: Hugging Face <-> tpedu, for GPT-2 (`hf_gpt2`) and Llama (`hf_llama`).
+"""Lesson 14: Hugging Face <-> tpedu: GPT-2 (`hf_gpt2`), Llama (`hf_llama`), Mixtral (`hf_mixtral`).
 
     config_from_hf   a transformers GPT2Config / LlamaConfig -> GPTConfig
     state_from_hf    a GPT2LMHeadModel / LlamaForCausalLM state dict -> a DenseGPT state dict
@@ -19,7 +19,7 @@ from types import ModuleType
 import torch
 import torch.distributed as dist
 
-from tpedu.checkpoint import hf_gpt2, hf_llama
+from tpedu.checkpoint import hf_gpt2, hf_llama, hf_mixtral
 from tpedu.checkpoint.convert import fill_rank_slices, read_dense
 from tpedu.checkpoint.files import export_tmp, replace_dir
 from tpedu.checkpoint.hf_gpt2 import check_gpt2_shaped
@@ -44,12 +44,15 @@ __all__ = [
     "state_to_hf",
 ]
 
-FAMILIES = {"gpt2": hf_gpt2, "llama": hf_llama}  # transformers' model_type -> its module
+FAMILIES = {"gpt2": hf_gpt2, "llama": hf_llama, "mixtral": hf_mixtral}  # model_type -> module
 
 
 def family(config: GPTConfig) -> ModuleType:
-    """The module (hf_gpt2 or hf_llama) of a tpedu config: learned positions are GPT-2's, RoPE
-    is Llama's. A config that is neither raises its family's ValueError on export."""
+    """The module (hf_gpt2, hf_llama, hf_mixtral) of a tpedu config: a mixture of experts is
+    Mixtral's, else learned positions are GPT-2's and RoPE is Llama's. A config its family
+    cannot express raises that family's ValueError on export."""
+    if config.experts:
+        return hf_mixtral
     return hf_gpt2 if config.position == "learned" else hf_llama
 
 
@@ -117,7 +120,8 @@ def export_hf(src: str | Path, out: str | Path) -> Path:
     from safetensors.torch import save_file  # looked up per call: tests replace it
 
     config, tensors, _ = read_dense(src)
-    state = state_to_hf({k: v for k, v in tensors.items() if "/" not in k}, config)
+    to_files = getattr(family(config), "state_to_files", state_to_hf)  # Mixtral: per expert
+    state = to_files({k: v for k, v in tensors.items() if "/" not in k}, config)
     if config.tie_embeddings:
         state.pop("lm_head.weight")  # tied to the embedding: transformers re-ties it on load
     out = Path(out)
