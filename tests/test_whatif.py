@@ -196,3 +196,27 @@ def test_small_all_reduces_are_priced_as_nccl_prices_them():
     p = decode_prediction(ModelShape(), H100_SXM, 3.35e12, 8, 1, 2048)
     assert p["comm"] == pytest.approx(65 * H100_SXM.small_all_reduce(n, 8), rel=1e-12)
     assert p["ring_comm"] == pytest.approx(65 * H100_SXM.all_reduce(n, 8), rel=1e-12)
+
+
+def test_the_widgets_static_picture_draws(monkeypatch):
+    """widget_static draws the sliders' default view (every tp of 128 GPUs that divides the
+    heads) without a live kernel."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from tpedu.analysis import whatif
+
+    monkeypatch.setattr(plt, "show", lambda: None)
+    whatif.widget_static()
+    ax = plt.gcf().axes[0]
+    assert [t.get_text().split()[1] for t in ax.get_xticklabels()] == [
+        "1",
+        "2",
+        "4",
+        "8",
+        "16",
+        "32",
+    ]
+    plt.close("all")

@@ -335,14 +335,47 @@ def published_comparison(efficiency: float = 0.7) -> str:
     return "\n".join(lines)
 
 
+# The widget's model: a Llama-3-8B-like shape.
+WIDGET_MODEL = ModelShape(
+    n_layers=32, hidden=4096, n_heads=32, vocab_size=128256, seq_len=4096, ffn_hidden=14336
+)
+
+
+def widget_static(model: ModelShape = WIDGET_MODEL, gpus: int = 128, hw: str = "H100 SXM") -> None:
+    """What the widget explores, as a picture that stays in a saved notebook: the predicted
+    step of every tp × dp = `gpus` layout (pp 1, batch 64 per replica), split by cause."""
+    import matplotlib.pyplot as plt
+
+    parts = ("compute", "tp", "bubble", "pp", "dp")
+    rows = []
+    for tp in (1, 2, 4, 8, 16, 32):
+        par = Parallel(tp=tp, pp=1, dp=gpus // tp, batch=64 * (gpus // tp))
+        try:
+            rows.append((tp, predict(model, par, HARDWARE[hw], 0.7)))
+        except ValueError:
+            continue
+    _, ax = plt.subplots(figsize=(8, 3))
+    for i, (_, p) in enumerate(rows):
+        bottom = 0.0
+        for k, part in enumerate(parts):
+            v = getattr(p, part)
+            ax.bar(i, v, bottom=bottom, color=f"C{k}", label=part if i == 0 else None)
+            bottom += v
+        ax.text(i, bottom, f"{100 * p.mfu:.0f}%", ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(range(len(rows)), [f"tp {tp}\ndp {gpus // tp}" for tp, _ in rows])
+    ax.set_ylabel("predicted seconds per step")
+    ax.set_title(f"{gpus} {hw}, pp 1, 64 sequences per replica (MFU above each bar)", fontsize=9)
+    ax.legend(fontsize=8)
+    plt.tight_layout()
+    plt.show()
+
+
 def widget(model: ModelShape | None = None) -> ipywidgets.VBox:
-    """Sliders for tp, pp, dp, micro-batch and hardware; prints the prediction (notebook 14)."""
+    """Sliders for tp, pp, dp, micro-batch and hardware; prints the prediction (lesson 15)."""
     import ipywidgets as w
     from IPython.display import display
 
-    model = model or ModelShape(
-        n_layers=32, hidden=4096, n_heads=32, vocab_size=128256, seq_len=4096, ffn_hidden=14336
-    )
+    model = model or WIDGET_MODEL
     pow2 = lambda hi: [2**i for i in range(hi)]
     tp = w.SelectionSlider(options=pow2(7), value=8, description="tp")
     pp = w.SelectionSlider(options=pow2(6), value=1, description="pp")
