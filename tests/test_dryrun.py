@@ -426,3 +426,205 @@ def test_cli_bad_input_is_one_line(capfd, args, message):
     assert code == 2, err
     assert message in err and len(err.strip().splitlines()) == 1, err
     assert err.startswith("tpedu: error: ") and "Traceback" not in err and not out
+
+
+# Mixture of experts (lesson 19). Which expert a token goes to depends on values, which meta
+# tensors do not have, so the dry run assumes balanced routing (tpedu.moe.expert_parallel.
+# balanced_routing: T·k/E assignments per expert, the first T·k mod E experts one more, every
+# EP rank alike). Real ranks route by value; to hold the dry run against them, their routers
+# choose round robin: assignment a = t·k + j goes to expert a mod E, which gives expert e
+# exactly floor(T·k/E) + (e < T·k mod E) assignments on every rank: the rule itself, with
+# GShard's capacity priority then dropping the same number per expert. The gate, softmax,
+# top-k and renormalisation still run, so every tensor the router saves is a real one; only
+# the chosen indices (an integer tensor autograd does not save) are replaced. The meta path
+# must then save and send, tensor by tensor, what the real one does.
+MOE = dataclasses.replace(SMALL, experts=4, top_k=2)
+MOE_LAYOUTS = {
+    "tp2 dp2 ep2": (MOE, ParallelConfig(2, 1, 2, ep=2)),
+    "pp2 dp4 ep2 (edp 2), top-1 of 8, capacity 0.5, a shared expert every 2nd layer": (
+        dataclasses.replace(
+            MOE, experts=8, top_k=1, capacity_factor=0.5, shared_expert=True, moe_every=2
+        ),
+        ParallelConfig(1, 2, 4, ep=2),
+    ),  # fmt: skip
+    "dp2 ep2, 6 experts (unequal loads), full recompute": (
+        dataclasses.replace(MOE, experts=6),
+        ParallelConfig(1, 1, 2, ep=2, recompute="full"),
+    ),
+    "llama tp2 dp2 ep2, SwiGLU, top-1, a shared expert": (
+        GPTConfig.llama_like(
+            101,
+            seq_len=16,
+            n_layers=2,
+            hidden=32,
+            n_heads=4,
+            experts=4,
+            top_k=1,
+            shared_expert=True,
+            router_renormalize=False,
+        ),
+        ParallelConfig(2, 1, 2, ep=2),
+    ),  # fmt: skip
+}
+
+
+def _round_robin(router, x):
+    """Router.forward, but assignment t·k + j goes to expert (t·k + j) mod E (see above)."""
+    from tpedu.moe.router import Routing
+
+    logits = router.gate(x)
+    probs = logits.softmax(dim=-1)
+    top, _ = probs.topk(router.top_k, dim=-1)
+    weights = top / top.sum(dim=-1, keepdim=True) if router.renormalize else top
+    t, k = x.shape[0], router.top_k
+    experts = torch.arange(t * k, device=x.device).reshape(t, k) % router.experts
+    return Routing(logits, probs, experts, weights)
+
+
+def _balanced(fn, *args):
+    """fn(*args) in a launched rank whose routers route round robin."""
+    from tpedu.moe.router import Router
+
+    Router.forward = _round_robin  # this forked rank only
+    return fn(*args)
+
+
+@pytest.mark.parametrize("name", list(MOE_LAYOUTS))
+def test_moe_dry_run_equals_balanced_real_ranks(name):
+    """Every rank: the dry run's figures equal gloo ranks routing exactly balanced, and every
+    figure is the ledger's (the what-if's) plus named terms (GPT-2-style; llama: the EP
+    group's only). The unequal loads put the EP rank into the class (both ranks measured)."""
+    config, parallel = MOE_LAYOUTS[name]
+    runs = dryrun.dry_run(config, parallel, 8, range(parallel.world))
+    real = launch(_balanced, parallel.world, _measure, config, parallel, 8)
+    for run, r in zip(runs, real, strict=True):
+        assert run.figures.comparable() == r.comparable(), f"rank {r.rank}"
+        assert run.figures.moe_forwards > 0 and run.figures.sent("ep") > 0
+        for c in run.comparisons:
+            assert abs(c.unexplained) < 0.5, (r.rank, c)
+        assert ("edp traffic" in {c.what for c in run.comparisons}) == (parallel.ep > 1)
+        assert run.comparison("ep traffic").predicted is not None
+    if "unequal" in name:
+        assert [r.measured_on for r in runs] == [None, None]
+        assert runs[0].figures.sent("ep") != runs[1].figures.sent("ep")
+
+
+def test_moe_dry_run_is_trains_step_and_bf16_is_cpu_autocast():
+    """tp2 dp2 ep2: the dry step's traffic is a real train() step's (routing balanced), and
+    under bf16 the bytes held and sent equal CPU autocast's (shown measured only: not
+    itemised for MoE layers)."""
+    config, parallel = MOE_LAYOUTS["tp2 dp2 ep2"]
+    dry = dryrun.dry_run(config, parallel, 8, range(4))
+    trained = launch(_balanced, 4, _train_one_step, config, parallel, 8)
+    assert [d.figures.traffic for d in dry] == trained
+    bf16 = dryrun.dry_run(config, parallel, 8, range(4), dtype="bf16")
+    real = launch(_balanced, 4, _measure, config, parallel, 8, "bf16")
+    for run, r in zip(bf16, real, strict=True):
+        assert run.figures.comparable() == r.comparable(), f"rank {r.rank}"
+        assert run.comparison("activations (peak)").predicted is None
+        assert all(abs(c.unexplained) < 0.5 for c in run.comparisons)
+
+
+@pytest.mark.parametrize(
+    "parallel",
+    [
+        ParallelConfig(1, 1, 2, cp=2, ep=2),
+        ParallelConfig(1, 2, 2, ep=2, schedule="interleaved", chunks=2, micro_batches=2),
+        ParallelConfig(2, 1, 2, recompute="selective"),  # ep 1: the MoE group of one rank
+        ParallelConfig(1, 1, 2, zero=1),  # ep 1: the experts in ZeRO's flat buffers
+    ],
+    ids=["cp2 ep2", "interleaved ep2", "tp2 dp2 ep1 selective", "dp2 ep1 ZeRO-1"],
+)
+def test_moe_layouts_fully_explained(parallel):
+    """More MoE layouts (dry runs only): every difference from the ledger and the what-if
+    named, and at ep 1 the MoE layers' calls on their group of one, named "ep"."""
+    for run in dryrun.dry_run(MOE, parallel, 8, range(parallel.world)):
+        for c in run.comparisons:
+            assert c.predicted is not None and abs(c.unexplained) < 0.5, (run.figures.rank, c)
+        assert run.figures.sent("ep") > 0
+
+
+def test_balanced_routing_rule():
+    """T·k assignments over E experts: floor(T·k/E) each, the first T·k mod E one more;
+    capacity caps each expert at ceil(cf·T·k/E)."""
+    from tpedu.moe.expert_parallel import balanced_routing
+
+    b = balanced_routing(64, 6, 2, None)
+    assert b.routed == b.kept == [22, 22, 21, 21, 21, 21] and sum(b.routed) == 128
+    b = balanced_routing(64, 8, 1, 0.5)
+    assert b.routed == [8] * 8 and b.kept == [4] * 8
+
+
+# Mixtral 8x7B's shape as a GPT-2-style model (the ledger counts GPT-2-style blocks: LayerNorm,
+# learned positions, GELU experts of two matrices; --arch llama is measured only): h 4096,
+# experts of width 14336, 32 layers, 32 heads, 8 KV heads, E 8, top-2, vocab 32000, s 4096;
+# on 128 ranks: tp 4 × pp 4 × dp 8, the experts over ep 8 (one expert per rank and layer).
+MIXTRAL = GPTConfig.gpt2_like(
+    32000, seq_len=4096, n_layers=32, hidden=4096, n_heads=32, n_kv_heads=8,
+    ffn_hidden=14336, experts=8, top_k=2, tie_embeddings=False,
+)  # fmt: skip
+MIXTRAL_LAYOUT = ParallelConfig(4, 4, 8, ep=8)
+
+
+@pytest.fixture(scope="module")
+def mixtral_runs():
+    """Every rank of the 128 (one per stage measured), batch 64: 8 micro-batches of 1."""
+    start = time.perf_counter()
+    runs = dryrun.dry_run(MIXTRAL, MIXTRAL_LAYOUT, 64, range(128))
+    return runs, time.perf_counter() - start
+
+
+def test_mixtral_like_layout_against_the_ledger(mixtral_runs):
+    runs, seconds = mixtral_runs
+    assert [r.figures.rank for r in runs if r.measured_on is None] == [0, 4, 8, 12]
+    for run in runs:
+        for c in run.comparisons:
+            assert c.predicted is not None, c
+            assert abs(c.unexplained) < 0.5, (run.figures.rank, c)
+    f = runs[0].figures
+    h, fe, t = 4096, 14336, 4
+    expert = 2 * h * fe // t + fe // t + h  # fc1 [F/t, H] + bias, fc2 [H, F/t] + bias
+    # one expert per rank, as wide as the ledger's dense MLP: the 8 layers' routers [E, H] are
+    # all that differ from it
+    assert runs[0].comparison("parameters").predicted + 8 * 8 * h == f.params
+    assert f.weights == f.gradients == 4 * f.params and f.optimizer == 8 * f.params
+    # the EP group per MoE layer and micro-batch: A = R = T·k = 8192 rows of H each way
+    ep = {(t.op, t.phase): t.bytes for t in f.traffic if t.group == "ep"}
+    rows = 8 * 8 * 8192 * h * 4  # 8 layers × 8 micro-batches
+    assert ep["all_to_all", "forward"] == 2 * rows + 8 * 8 * 8 * 8  # + the counts, int64
+    assert ep["all_to_all", "backward"] == 2 * rows
+    assert f.sent("edp") == 0  # ep = dp: every replica of an expert is in another pipeline
+    # dp carries every gradient but the experts' (over edp, here a group of one)
+    assert runs[0].comparison("dp traffic").measured == 4 * (f.params - 8 * expert)
+    assert "routing assumed balanced" in dryrun.format_table(runs[0])
+    assert seconds < 60  # about 10 s here: the tripwire of a materialised model
+
+
+def test_cli_dry_runs_a_llama_moe_layout(capfd):
+    code, out, err = cli(
+        capfd,
+        "dryrun",
+        *"--arch llama --experts 8 --top-k 2 --ep 8 --tp 2 --dp 8 --layers 2".split(),
+        *"--hidden 64 --heads 4 --seq 32 --vocab 101 --batch 16".split(),
+    )
+    assert code == 0, err
+    assert "dry run: rank 0 of 16 (tp 0/2, pp 0/1, dp 0/8, ep 0/8)" in out
+    assert "experts: 8 of width 256, top-2, every layer, dropless; ep 8: 1 expert per" in out
+    assert "routing assumed balanced" in out and "A = 128 assignments sent" in out
+    assert "ep all_to_all" in out and "ep traffic" in out and "UNEXPLAINED" not in out
+
+
+def test_cli_rank_all_of_an_moe_layout(capfd):
+    code, out, err = cli(
+        capfd,
+        "dryrun",
+        *"--experts 4 --ep 2 --tp 2 --pp 2 --dp 4 --layers 2 --hidden 256 --heads 4".split(),
+        *"--seq 64 --vocab 101 --rank all".split(),
+    )
+    assert code == 0, err
+    head, _, *rows, footer, note = out.strip().splitlines()
+    assert head.split()[-3:] == ["ep", "edp", "unexpl."]
+    assert [int(r.split()[0]) for r in rows] == list(range(16))
+    assert all(float(r.split()[-3]) > 0 and r.split()[-1] == "0" for r in rows)
+    assert footer.startswith("measured 2 ranks (0, 2), one per (pp, cp) class")
+    assert note.startswith("routing assumed balanced")

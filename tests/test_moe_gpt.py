@@ -135,10 +135,6 @@ def test_bad_moe_flags_are_one_line_errors(capfd, args, message):
     one_line_error(capfd, ["train", "--steps", "1", *args], message)
 
 
-def test_dryrun_refuses_experts(capfd):
-    one_line_error(capfd, ["dryrun", "--experts", "4"], "the dry run cannot route tokens")
-
-
 def test_cli_trains_an_expert_parallel_moe(capfd):
     code, out, err = cli(
         capfd, "train", "--experts", "4", "--dp", "2", "--ep", "2", "--steps", "2",

@@ -233,12 +233,6 @@ def _dryrun(args: argparse.Namespace) -> int:
             "gradients' values, which meta tensors do not have: dry-run --dtype bf16 (the same "
             "bytes held; fp16 sends one more one-element all-reduce per step, the scaler's)"
         )
-    if args.experts:
-        fail(
-            "--experts: the dry run cannot route tokens: which expert a token goes to, and so "
-            "the all-to-alls' sizes, depend on the values, which meta tensors do not have; "
-            "lesson 19 prices an MoE layout per rank from its formulas"
-        )
     parallel = checks.parallel_config(args)
     config = model_config(args, args.vocab)
     checks.check_config(config, parallel)

@@ -71,8 +71,9 @@ def mlp_output(block: nn.Module, x: torch.Tensor, step: int) -> torch.Tensor:
         aux_loss=out.aux_loss.detach(),
         z_loss=out.z_loss.detach(),
     )
-    aux = cfg[0] * out.aux_loss + cfg[1] * out.z_loss
-    return attach_aux_loss(out.y, aux)
+    if cfg == (0.0, 0.0):  # nothing to learn from: no backward through the statistics
+        return out.y
+    return attach_aux_loss(out.y, cfg[0] * out.aux_loss + cfg[1] * out.z_loss)
 
 
 class DenseBlock(nn.Module):

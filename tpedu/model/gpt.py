@@ -140,8 +140,9 @@ def expert_parallel_moe(
     this rank alone, every expert here) and each expert over the TP `group`."""
     check_moe_options(options.sequence_parallel)
     ep_group = options.ep_group
-    if ep_group is None:
+    if ep_group is None:  # named, so that a trace shows its all-to-alls as "ep" at ep = 1 too
         ep_group = dist.new_group([dist.get_rank()], use_local_synchronization=True)
+        collectives.name_group(ep_group, "ep")
     return ExpertParallelMoE.from_dense(dense, ep_group, tp_group=group)
 
 

@@ -42,11 +42,18 @@ ep·J:
 `reduce_gradients()` does exactly this; `expert_parameters()`, `replicated_parameters()` and
 `is_expert_parameter(name)` name the two sets for DataParallel / ZeRO, which must reduce the
 expert ones over the expert-data-parallel group only.
+
+On the meta device (lesson 13's dry run) the router still runs (shapes), but which experts it
+chooses cannot be computed: the forward then assumes balanced routing (`balanced_routing`:
+T·k/E assignments per expert, the same from every rank) for the counts and index sizes, and
+runs the same operators on tensors of those sizes, so it saves and sends what a real run
+routed so would.
 """
 
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -55,7 +62,7 @@ from torch import nn
 from tpedu.comm import collectives
 from tpedu.moe.dense import DenseMoE, MoEOutput
 from tpedu.moe.dispatch import all_reduce_sum, all_to_all_tokens, exchange_counts, expert_major
-from tpedu.moe.router import keep_mask, load_balancing_loss
+from tpedu.moe.router import capacity, keep_mask, load_balancing_loss
 from tpedu.tp.mlp import ParallelMLP
 from tpedu.tp.sharding import divisors
 
@@ -68,6 +75,52 @@ def check_experts_divide(experts: int, ep: int) -> None:
             f"experts = {experts} is not divisible by ep = {ep}; choose ep among {valid} "
             "(or a number of experts that ep divides)"
         )
+
+
+@dataclass(frozen=True)
+class BalancedRouting:
+    """Assignments per expert of one rank's T tokens under `balanced_routing`: routed [E] (the
+    router's choices, before capacity) and kept [E] (after it); each sums over the experts."""
+
+    routed: list[int]
+    kept: list[int]
+
+
+def balanced_routing(
+    tokens: int, experts: int, top_k: int, capacity_factor: float | None
+) -> BalancedRouting:
+    """The dry run's routing rule (meta tensors have no values, so the router's choices cannot
+    be computed): *balanced routing*, the load that the load-balancing loss aims for. Each of
+    the T = `tokens` tokens sends k assignments, spread evenly over the E experts: expert e
+    gets floor(T·k/E), and the first (T·k mod E) experts one more, so the counts are integers
+    and sum to T·k (a fixed rule: the dry run of a layout is the same every time). With a
+    capacity factor each expert keeps min(that, C), C = ceil(cf·T·k/E) (tpedu.moe.router.
+    capacity): balanced, nothing is dropped unless cf < 1. Every EP rank routes its T tokens
+    alike, so it sends rank d the kept assignments of d's experts, the same number from every
+    rank, and receives ep times its own experts' counts. Where T·k/E is an integer (the usual
+    case) every expert, and so every EP rank, gets the same; the dry run measures one EP rank
+    per count where it is not (tpedu.analysis.dryrun's rank_class)."""
+    per, extra = divmod(tokens * top_k, experts)
+    routed = [per + (e < extra) for e in range(experts)]
+    cap = capacity(tokens, experts, top_k, capacity_factor)
+    return BalancedRouting(routed, [min(c, cap) for c in routed])
+
+
+@dataclass(frozen=True)
+class MetaRouting:
+    """What ExpertParallelMoE's forward reads off the routing's values, on the meta device:
+    counts per expert [E] and the index tensors (meta, long) with the sizes balanced routing
+    gives them (order [A]: this rank's kept assignments; by_expert [R]: the rows received),
+    the all-to-alls' counts per rank, the local experts' rows and the group's dropped count."""
+
+    routed: torch.Tensor
+    kept: torch.Tensor
+    order: torch.Tensor
+    send: list[int]
+    recv: list[int]
+    by_expert: torch.Tensor
+    sizes: list[int]
+    dropped: int
 
 
 def is_expert_parameter(name: str) -> bool:
@@ -131,14 +184,19 @@ class ExpertParallelMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> MoEOutput:
         """x [..., H] (this rank's tokens) -> MoEOutput: y [..., H], logits [T, E] of these
-        tokens; aux_loss, z_loss, tokens_per_expert, dropped over all the group's tokens."""
+        tokens; aux_loss, z_loss, tokens_per_expert, dropped over all the group's tokens.
+        On the meta device (a dry run) the routing is assumed balanced: `balanced_routing`."""
         x2 = x.reshape(-1, self.hidden)
         e, k = self.n_experts, self.top_k
         r = self.router(x2)
-        keep = keep_mask(r.experts, e, self.capacity_factor).reshape(-1)
-        expert = r.experts.reshape(-1)  # assignment a = t·k + j: token t's j-th choice
-        routed = torch.bincount(expert, minlength=e)
-        kept = torch.bincount(expert[keep], minlength=e)
+        meta = self._meta_routing(x2) if x2.device.type == "meta" else None
+        if meta is None:
+            keep = keep_mask(r.experts, e, self.capacity_factor).reshape(-1)
+            expert = r.experts.reshape(-1)  # assignment a = t·k + j: token t's j-th choice
+            routed = torch.bincount(expert, minlength=e)
+            kept = torch.bincount(expert[keep], minlength=e)
+        else:
+            routed, kept = meta.routed, meta.kept
 
         # One all-reduce for every statistic; float32 at least, so the counts add exactly.
         dtype = torch.promote_types(r.probs.dtype, torch.float32)
@@ -150,15 +208,19 @@ class ExpertParallelMoE(nn.Module):
 
         # Sorted by expert, the rows for rank d's experts are one contiguous chunk; the stable
         # sort keeps token order inside each expert, as DenseMoE's loop does.
-        kept_at = keep.nonzero()[:, 0]
-        order = kept_at[torch.argsort(expert[kept_at], stable=True)]
         received = exchange_counts(kept, self.group)  # [ep, E/ep]
-        send = kept.reshape(self.ep, -1).sum(dim=1).tolist()
-        recv = received.sum(dim=1).tolist()
+        if meta is None:
+            kept_at = keep.nonzero()[:, 0]
+            order = kept_at[torch.argsort(expert[kept_at], stable=True)]
+            send = kept.reshape(self.ep, -1).sum(dim=1).tolist()
+            recv = received.sum(dim=1).tolist()
+            by_expert = expert_major(received)
+            sizes = received.sum(dim=0).tolist()
+        else:
+            order, by_expert = meta.order, meta.by_expert
+            send, recv, sizes = meta.send, meta.recv, meta.sizes
         self.last_send_counts = send
         got = all_to_all_tokens(x2[order // k], send, recv, self.group)  # source-major
-        by_expert = expert_major(received)
-        sizes = received.sum(dim=0).tolist()
         slices = got[by_expert].split(sizes)
         out = torch.cat([mlp(s) for mlp, s in zip(self.experts.values(), slices, strict=True)])
         back = all_to_all_tokens(out[torch.argsort(by_expert)], recv, send, self.group)
@@ -167,13 +229,39 @@ class ExpertParallelMoE(nn.Module):
         y = x2.new_zeros(x2.shape).index_add(0, order // k, back * weights)
         if self.shared is not None:
             y = y + self.shared(x2)
+        dropped = int((routed_all.sum() - kept_all.sum()).item()) if meta is None else meta.dropped
         return MoEOutput(
             y.reshape(x.shape),
             r.logits,
             load_balancing_loss(routed_all, prob_sums, tokens, k),
             z_sum[0] / tokens,
             kept_all.round().long(),
-            int((routed_all.sum() - kept_all.sum()).item()),
+            dropped,
+        )
+
+    # --- the dry run's path (meta tensors: shapes only) ----------------------------------------
+
+    def _meta_routing(self, x2: torch.Tensor) -> MetaRouting:
+        """What the real path reads off the routing's values, for x2 on the meta device:
+        `balanced_routing`'s counts, and meta index tensors of the sizes they give."""
+        b = balanced_routing(x2.shape[0], self.n_experts, self.top_k, self.capacity_factor)
+        n = self.local_experts
+        send = [sum(b.kept[d * n : (d + 1) * n]) for d in range(self.ep)]  # to d's experts
+        local = b.kept[self.first_expert : self.first_expert + n]
+        recv = [sum(local)] * self.ep  # every EP rank routes its T tokens alike
+
+        def index(size: int) -> torch.Tensor:  # shapes only: no value is ever read
+            return torch.empty(size, dtype=torch.long, device=x2.device)
+
+        return MetaRouting(
+            routed=index(self.n_experts),
+            kept=index(self.n_experts),
+            order=index(sum(send)),
+            send=send,
+            recv=recv,
+            by_expert=index(sum(recv)),
+            sizes=[self.ep * c for c in local],
+            dropped=self.ep * (sum(b.routed) - sum(b.kept)),
         )
 
     def expert_parameters(self) -> list[nn.Parameter]:

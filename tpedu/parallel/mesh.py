@@ -256,10 +256,14 @@ class Mesh:
 
 
 def describe_coords(layout: Layout, rank: int) -> str:
-    """ "tp 1/2, pp 0/2, dp 1/2" (and cp, at size > 1): where `rank` sits in `layout`."""
-    names = [n for n in layout.group_names() if n != "emb"]
+    """ "tp 1/2, pp 0/2, dp 1/2" (and cp, at size > 1; and "ep 1/2", its place in its EP
+    group, at ep > 1): where `rank` sits in `layout`."""
+    names = [n for n in layout.group_names() if n in AXIS_NAMES]
     coords = layout.coords(rank)
-    return ", ".join(f"{n} {coords[n]}/{layout.sizes[n]}" for n in names)
+    parts = [f"{n} {coords[n]}/{layout.sizes[n]}" for n in names]
+    if layout.ep > 1:  # carved from dp, not an axis: dp_rank = ep_rank + ep · edp_rank
+        parts.append(f"ep {coords['dp'] % layout.ep}/{layout.ep}")
+    return ", ".join(parts)
 
 
 # ---------------------------------------------------------------------------------- pictures

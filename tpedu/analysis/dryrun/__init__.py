@@ -9,6 +9,7 @@ on the meta device, with every byte it holds and sends counted and set beside th
     measure          one rank's training step on the meta device, in a fake world (dry_run)
     predict_memory   the ledger's memory for a rank, and each named difference from it
     predict_traffic  the what-if's messages for a rank, group by group, and each difference
+    moe              a mixture of experts' layers: their named terms (lesson 19)
     compare          every figure beside its prediction
     table            a rank as a table, many ranks as a summary
 
@@ -42,6 +43,16 @@ Two things meta tensors would get wrong, and what is done instead:
   gloo ranks). CUDA's flash kernels save the same kinds of tensors (plus their RNG state).
 - Data-dependent checks (token ids in range) cannot look at values: tpedu.tp's embedding
   and loss skip them for meta tensors.
+- A mixture of experts' router (lesson 19) chooses experts by value, and the all-to-alls'
+  sizes follow from its choices. On meta tensors the router still runs (its logits,
+  probabilities and top-k are saved as on a real rank), but the dry run assumes *balanced
+  routing* for what its choices decide (`tpedu.moe.expert_parallel.balanced_routing`, stated
+  there): each of a rank's T tokens sends k assignments, T·k/E to each expert (the first
+  T·k mod E one more; capped at the capacity), every EP rank alike. That is the load the
+  load-balancing loss aims for: a real run's step is as large when its router is balanced,
+  and larger when it is not (the experts then receive more rows than R). The tables say so.
+  `tests/test_dryrun.py` holds it against gloo ranks whose routers route round robin, which
+  balances exactly.
 - torch.autocast refuses the meta device. With `dtype="bf16"` (--dtype bf16) the step runs
   under `tpedu.train.precision.meta_autocast` instead, which casts as CPU autocast does for the
   ops tpedu's model calls (matmuls and attention to bf16, a weight once per step, the
@@ -71,7 +82,14 @@ and the what-if's message volumes (`tpedu.analysis.whatif.volumes`), and names e
 difference with its size: the prediction plus the named terms equals the measurement, and an
 `unexplained` remainder (0 in every layout the tests run) would show a formula or the code is
 wrong. Both models count GPT-2-style blocks; for --arch llama only the measured figures are
-shown.
+shown (and the EP group's, which `moe` prices for any architecture).
+
+Mixtures of experts (`moe`): each MoE layer's router, experts (E/ep of them, split over tp)
+and shared expert replace the ledger's dense MLP in the parameter terms (so in weights,
+gradients and AdamW's states, 4 + 4 + 8 bytes each); what its forward saves replaces the dense
+MLP's hidden in the activation terms; its experts' and shared expert's TP all-reduces replace
+the dense MLP's; the "ep" group (statistics, counts, dispatch and combine all-to-alls) and the
+"edp" group (the experts' gradients, DataParallel's expert buckets) are named term by term.
 """
 
 from __future__ import annotations

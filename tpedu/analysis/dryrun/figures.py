@@ -72,6 +72,7 @@ class RankFigures:
     flat_buffers: tuple[tuple[int, int, int, int], ...] = ()
     peak_gathered: int = 0
     dtype: str = "fp32"  # the step's compute dtype (train's --dtype): "fp32" or "bf16"
+    moe_forwards: int = 0  # forwards of mixture-of-experts blocks among `layer_forwards`
 
     @property
     def blocks(self) -> int:
@@ -95,6 +96,7 @@ class RankFigures:
                 "optimizer_params",
                 "activations",
                 "in_flight",
+                "moe_forwards",
                 "act_embedding",
                 "act_layers",
                 "act_head",

@@ -28,6 +28,7 @@ from tpedu.comm import collectives
 from tpedu.comm.tracer import CommTracer
 from tpedu.model.config import GPTConfig
 from tpedu.model.dense import DenseGPT
+from tpedu.moe.expert_parallel import ExpertParallelMoE, balanced_routing
 from tpedu.parallel.config import ParallelConfig
 from tpedu.parallel.mesh import AXIS_NAMES, Mesh
 from tpedu.parallel.pipeline.runtime import build_stage_chunks
@@ -35,7 +36,7 @@ from tpedu.parallel.pipeline.schedules import action_parts
 from tpedu.parallel.zero import ShardedDataParallel
 from tpedu.train.config import TrainConfig
 from tpedu.train.loop import run_loop
-from tpedu.train.step import build_step, check_setup, replica_mean
+from tpedu.train.step import build_step, check_setup, replica_mean, split_batch
 
 
 def build_dense(config: GPTConfig, device: str | torch.device = "meta", seed: int = 0) -> DenseGPT:
@@ -145,6 +146,11 @@ def _peak(
     return best, at_peak, parts
 
 
+def _moe_blocks(chunk: nn.Module) -> int:
+    """Blocks of a model chunk whose MLP is a mixture of experts."""
+    return sum(isinstance(b.mlp, ExpertParallelMoE) for b in chunk.blocks)
+
+
 def traffic_summary(tracer: CommTracer) -> tuple[Traffic, ...]:
     """The tracer's summary as Traffic lines, in a fixed order (group, phase, op)."""
     rows = [
@@ -152,7 +158,7 @@ def traffic_summary(tracer: CommTracer) -> tuple[Traffic, ...]:
         for (g, op, ph), (calls, numel, nbytes) in tracer.summary().items()
     ]
 
-    order = [*AXIS_NAMES, "emb", "world"]
+    order = [*AXIS_NAMES, "emb", "ep", "edp", "world"]
 
     def key(t: Traffic) -> tuple:
         g = order.index(t.group) if t.group in order else len(order)
@@ -286,6 +292,7 @@ def measure_rank(
         activations=peak,
         in_flight=len(held),
         layer_forwards=sum(len(chunks[c].blocks) for _, c in held),
+        moe_forwards=sum(_moe_blocks(chunks[c]) for _, c in held),
         held_embedding=sum(1 for _, c in held if c == 0 and chunks[0].first),
         held_head=sum(1 for _, c in held if c == len(chunks) - 1 and chunks[-1].last),
         act_embedding=parts[0],
@@ -318,9 +325,16 @@ def fake_world(rank: int, world: int) -> Iterator[None]:
             dist.destroy_process_group()
 
 
-def rank_class(parallel: ParallelConfig, rank: int) -> tuple[int, int]:
-    """(pp rank, cp rank): the ranks of one class measure equal figures, so a dry run measures
-    one of them and gives the others its figures under their own rank and coordinates.
+def rank_class(
+    parallel: ParallelConfig,
+    rank: int,
+    config: GPTConfig | None = None,
+    batch: int | None = None,
+) -> tuple[int, ...]:
+    """(pp rank, cp rank), and with an MoE `config` whose balanced routing (see below) gives
+    the EP ranks unequal loads also the EP rank: the ranks of one class measure equal figures,
+    so a dry run measures one of them and gives the others its figures under their own rank
+    and coordinates.
 
     Why the tp and dp ranks do not matter: every TP rank of a stage holds shards of the same
     shapes (the vocabulary padded to Vp/t rows each, heads split evenly or a KV head
@@ -328,10 +342,26 @@ def rank_class(parallel: ParallelConfig, rank: int) -> tuple[int, int]:
     of a padded buffer), and every collective a rank joins has the same size and the same
     number of members; on the meta device nothing else, no value, can differ. The stage (its
     layers, the embedding or the head, the first stage sends no gradient back) and the CP rank
-    (a contiguous split gives later ranks more of the causal square) do differ.
+    (a contiguous split gives later ranks more of the causal square) do differ. EP ranks hold
+    as many experts each; under balanced routing (tpedu.moe.expert_parallel.balanced_routing)
+    they also receive as many rows unless E does not divide T·k (the first experts then get
+    one more): only then is the EP rank part of the class (it needs `config` and `batch`).
     tests/test_dryrun.py measures every rank of small layouts against its class's."""
     c = parallel.layout.coords(rank)
-    return c["pp"], c["cp"]
+    if config is None or batch is None or not _uneven_experts(config, parallel, batch):
+        return c["pp"], c["cp"]
+    return c["pp"], c["cp"], c["dp"] % parallel.ep
+
+
+def _uneven_experts(config: GPTConfig, parallel: ParallelConfig, batch: int) -> bool:
+    """Whether balanced routing gives the EP ranks' experts unequal numbers of rows."""
+    if not config.experts or parallel.ep == 1:
+        return False
+    per_replica, m = split_batch(batch, parallel)
+    tokens = per_replica // m * config.seq_len // parallel.cp
+    kept = balanced_routing(tokens, config.experts, config.top_k, config.capacity_factor).kept
+    local = config.experts // parallel.ep
+    return len({sum(kept[i : i + local]) for i in range(0, config.experts, local)}) > 1
 
 
 def default_ranks(parallel: ParallelConfig) -> list[int]:
@@ -399,7 +429,7 @@ def _dry_run_here(
     built = time.perf_counter() - start  # once: every rank slices the same meta tensors
     first = {}  # class -> the first of `ranks` in it, the one measured
     for r in ranks:
-        first.setdefault(rank_class(parallel, r), r)
+        first.setdefault(rank_class(parallel, r, config, batch), r)
     measure = list(first.values())
     try:
         workers = min(len(measure), mp.cpu_count())
@@ -411,7 +441,8 @@ def _dry_run_here(
             measured = {r: _dry_run_one(r) for r in measure}
     finally:
         _POOL.clear()
-    out = [measured.get(r) or _as_rank(measured[first[rank_class(parallel, r)]], r) for r in ranks]
+    cls = lambda r: rank_class(parallel, r, config, batch)
+    out = [measured.get(r) or _as_rank(measured[first[cls(r)]], r) for r in ranks]
     if out:  # the shared model's build, charged to the first rank
         out[0] = dataclasses.replace(out[0], seconds=out[0].seconds + built)
     return out

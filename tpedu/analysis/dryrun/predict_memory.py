@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from tpedu.analysis.dryrun import moe
 from tpedu.analysis.dryrun.figures import (
     ADAMW_BYTES,
     VALUE_BYTES,
@@ -72,7 +73,7 @@ def _param_terms(fig: RankFigures, config: GPTConfig, parallel: ParallelConfig) 
         terms.append(Term(f"{what} [{table:,}, {h}] on the last stage", head - ledger_head))
     if fig.last and pp > 1:
         terms.append(Term("the final norm on the last stage", final_norm))
-    return terms
+    return terms + moe.param_terms(fig, config, parallel)
 
 
 def _layer_terms(
@@ -271,6 +272,10 @@ def _activation_comparison(
         Term(f"per block: {name}", value * m)
         for name, value in _layer_terms(c, parallel, fig.micro_batch, fig.dtype)
     ]
+    terms += [
+        Term(f"per MoE block forward × {fig.moe_forwards}: {name}", value * fig.moe_forwards)
+        for name, value in moe.activation_terms(fig, config, parallel)
+    ]
     for held, (name, value) in (
         (fig.held_embedding, _embedding_saved(c, parallel, fig.micro_batch)),
         (fig.held_head, _head_saved(c, parallel, fig.micro_batch, fig.dtype)),
@@ -425,5 +430,9 @@ def memory_comparisons(
         led_act = ledger_of(local).activations
     else:
         led_act = led.activations
-    out.append(_activation_comparison(fig, config, parallel, led_act))
-    return out
+    if moe.not_itemised(fig, config):
+        what = "activations (peak)"
+        out.append(Comparison(what, fig.activations, None, "ledger", note=moe.BF16_NOTE))
+    else:
+        out.append(_activation_comparison(fig, config, parallel, led_act))
+    return moe.unpriced_zero_ep(out, parallel)

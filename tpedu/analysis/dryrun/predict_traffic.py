@@ -8,6 +8,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from tpedu.analysis import whatif
+from tpedu.analysis.dryrun import moe
 from tpedu.analysis.dryrun.figures import (
     STOP_CHECK,
     VALUE_BYTES,
@@ -54,6 +55,7 @@ class _Volumes:
     shape: ModelShape
     vol: whatif.Volumes
     measured: dict[str, int]
+    model: GPTConfig  # the whole model's config (all s positions)
 
     @property
     def msg(self) -> float:  # one [b, s, h] message at 4 bytes per value
@@ -72,14 +74,20 @@ def traffic_comparisons(
     pp, v = parallel.pp, parallel.chunks
     shape, why = model_shape(config, fig.micro_batch)
     groups = [*parallel.layout.group_names(), "world"]
+    if config.experts and "ep" not in groups:  # ep = 1: the MoE layers' group of one rank
+        groups.insert(-1, "ep")
     measured = {g: fig.sent(g) for g in groups}
     if shape is None or config.n_layers % (pp * v):
         note = why or f"the what-if needs L divisible by pp·chunks ({config.n_layers}, {pp}·{v})"
-        return [
+        moe_groups = ("ep", "edp") if config.experts else ()  # priced without the what-if
+        unpriced = [
             Comparison(f"{g} traffic", measured[g], None, "what-if", note=note)
             for g in groups
-            if measured[g]
+            if measured[g] and g not in moe_groups
         ]
+        return moe.unpriced_zero_ep(
+            unpriced + _ep_traffic(fig, config, parallel, measured), parallel
+        )
     par = whatif.Parallel(
         tp=parallel.tp,
         pp=pp,
@@ -91,16 +99,38 @@ def traffic_comparisons(
     )
     c = local_config(config, parallel)  # with CP every message holds this rank's s/cp positions
     vol = whatif.volumes(dataclasses.replace(shape, seq_len=c.seq_len), par, VALUE_BYTES)
-    x = _Volumes(fig, c, parallel, shape, vol, measured)
-    terms = _tp_block_terms(x) + _tp_end_terms(x)
-    out = [
-        Comparison(
-            "tp traffic", measured["tp"], vol.tp_all_reduces * x.msg, "what-if", tuple(terms)
-        )
-    ]
+    x = _Volumes(fig, c, parallel, shape, vol, measured, config)
+    terms = _tp_block_terms(x) + moe.tp_terms(fig, config, parallel) + _tp_end_terms(x)
+    tp = Comparison(
+        "tp traffic", measured["tp"], vol.tp_all_reduces * x.msg, "what-if", tuple(terms)
+    )
+    if moe.not_itemised(fig, config):
+        tp = Comparison("tp traffic", measured["tp"], None, "what-if", note=moe.BF16_NOTE)
+    out = [tp]
     if parallel.cp > 1:
         out.append(_cp_comparison(fig, config, parallel, measured["cp"]))
-    return out + [_pp_traffic(x), _dp_traffic(x)] + _emb_and_world_traffic(x)
+    ep = _ep_traffic(fig, config, parallel, measured)
+    out += [_pp_traffic(x), _dp_traffic(x)] + ep + _emb_and_world_traffic(x)
+    return moe.unpriced_zero_ep(out, parallel)
+
+
+def _ep_traffic(
+    fig: RankFigures, c: GPTConfig, parallel: ParallelConfig, measured: dict[str, int]
+) -> list[Comparison]:
+    """The MoE layers' groups, which the what-if does not price (nor need: any architecture):
+    ep (the all-to-alls and the statistics) and, with ep > 1, edp (the experts' gradients)."""
+    if not c.experts:
+        return []
+    ep = Comparison(
+        "ep traffic", measured["ep"], 0.0, "what-if", tuple(moe.ep_terms(fig, c, parallel))
+    )
+    if moe.not_itemised(fig, c):
+        ep = Comparison("ep traffic", measured["ep"], None, "what-if", note=moe.BF16_NOTE)
+    out = [ep]
+    if parallel.ep > 1:
+        terms = tuple(moe.edp_terms(fig, c, parallel))
+        out.append(Comparison("edp traffic", measured["edp"], 0.0, "what-if", terms))
+    return out
 
 
 def _tp_block_terms(x: _Volumes) -> list[Term]:
@@ -266,6 +296,7 @@ def _dp_traffic(x: _Volumes) -> Comparison:
                 fig.params * e - predicted,
             )
         )
+    dp_terms += moe.dp_expert_term(fig, x.model, parallel)
     if parallel.zero:
         dp_terms += _sharded_traffic_terms(fig, parallel)
     return Comparison("dp traffic", x.measured["dp"], predicted, "what-if", tuple(dp_terms))

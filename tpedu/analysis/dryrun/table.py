@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from tpedu.analysis.dryrun import moe
 from tpedu.analysis.dryrun.figures import Comparison, DryRun, count_noun
+from tpedu.analysis.dryrun.measure import rank_class
 from tpedu.analysis.dryrun.predict_memory import model_shape
 from tpedu.analysis.memory import GB
 from tpedu.parallel.mesh import describe_coords
@@ -52,6 +54,7 @@ def format_table(run: DryRun) -> str:
         + ("; bf16 autocast" if f.dtype != "fp32" else "")
         + "; fp32 weights, AdamW, dropout "
         + f"{c.dropout:g}",
+        *_moe_lines(run),
         "",
         f"{'memory on this rank':<28}{'measured':>18}{'ledger':>18}{'measured GB':>13}",
         "-" * 77,
@@ -85,6 +88,23 @@ def format_table(run: DryRun) -> str:
     return "\n".join(line.rstrip() for line in lines)
 
 
+def _moe_lines(run: DryRun) -> list[str]:
+    """The mixture of experts and the routing the dry run assumed (none without experts)."""
+    c, par, f = run.config, run.parallel, run.figures
+    if not c.experts:
+        return []
+    x = moe.moe_layer(c, par, f)
+    every = "every layer" if c.moe_every == 1 else f"every {c.moe_every} layers"
+    cap = "dropless" if c.capacity_factor is None else f"capacity factor {c.capacity_factor:g}"
+    return [
+        f"experts: {c.experts} of width {c.expert_ffn}, top-{c.top_k}, {every}, {cap}"
+        + (", a shared expert" if c.shared_expert else "")
+        + f"; ep {par.ep}: {count_noun(x.local, 'expert')} per rank",
+        f"{moe.ROUTING_NOTE}: per MoE layer and micro-batch T = {x.tokens:,} tokens, "
+        f"A = {x.sent:,} assignments sent, R = {x.received:,} rows received",
+    ]
+
+
 def _differences(comps: Sequence[Comparison]) -> list[str]:
     lines = []
     missing = [comp for comp in comps if comp.predicted is None]
@@ -109,10 +129,13 @@ def _differences(comps: Sequence[Comparison]) -> list[str]:
 def format_summary(runs: Sequence[DryRun]) -> str:
     """One line per rank (for --rank all): bytes held and sent, and the unexplained remainders."""
     cp = any(run.parallel.cp > 1 for run in runs)  # a cp column only for CP layouts
+    experts = any(run.config.experts for run in runs)  # ep (and edp) columns only with MoE
+    edp = any(run.parallel.ep > 1 for run in runs)
+    extra = ["cp"] * cp + ["ep"] * experts + ["edp"] * edp
     head = (
         f"{'rank':>5} {'tp':>3} {'pp':>3} {'dp':>3} {'params':>14} {'weights+grads+opt GB':>21} "
         f"{'acts GB':>8} {'sent MB tp':>11} {'pp':>9} {'dp':>9}"
-        + (f" {'cp':>9}" if cp else "")
+        + "".join(f" {g:>9}" for g in extra)
         + f" {'unexpl.':>8}"
     )
     lines = [head, "-" * len(head)]
@@ -124,13 +147,21 @@ def format_summary(runs: Sequence[DryRun]) -> str:
             f"{f.rank:>5} {f.coords['tp']:>3} {f.coords['pp']:>3} {f.coords['dp']:>3} {f.params:>14,} "
             f"{state:>21.3f} {f.activations / GB:>8.3f} {f.sent('tp') / 1e6:>11.1f} "
             f"{f.sent('pp') / 1e6:>9.1f} {f.sent('dp') / 1e6:>9.1f}"
-            + (f" {f.sent('cp') / 1e6:>9.1f}" if cp else "")
+            + "".join(f" {f.sent(g) / 1e6:>9.1f}" for g in extra)
             + f" {rest:>8,.0f}"
         )
     measured = [run.figures.rank for run in runs if run.measured_on is None]
     if len(measured) < len(runs):
+        run = runs[0]
+        by = (
+            "pp, cp, ep"
+            if len(rank_class(run.parallel, 0, run.config, run.batch)) > 2
+            else "pp, cp"
+        )
         lines.append(
             f"measured {count_noun(len(measured), 'rank')} ({', '.join(map(str, measured))}), "
-            "one per (pp, cp) class; every other rank has its class's figures (rank_class)"
+            f"one per ({by}) class; every other rank has its class's figures (rank_class)"
         )
+    if experts:
+        lines.append(moe.ROUTING_NOTE)
     return "\n".join(lines)
