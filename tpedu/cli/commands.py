@@ -142,7 +142,10 @@ def model_config(args: argparse.Namespace, vocab_size: int, **fields: object) ->
     preset = GPTConfig.llama_like if args.arch == "llama" else GPTConfig.gpt2_like
     kv = {"n_kv_heads": args.kv_heads} if args.kv_heads or args.arch == "gpt2" else {}
     shape = {"seq_len": args.seq, "n_layers": args.layers, "hidden": args.hidden}
+    if args.ffn is not None:
+        shape["ffn_hidden"] = args.ffn
     moe = {
+        "expert_ffn_hidden": args.expert_ffn,
         "experts": args.experts,
         "top_k": args.top_k,
         "moe_every": args.moe_every,

@@ -219,6 +219,12 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
         default=0,
         help="a mixture of experts in the MLPs: this many experts each (lesson 19; 0: dense)",
     )
+    p.add_argument(
+        "--ffn", type=int, default=None, help="the MLP's hidden width (default 4·hidden)"
+    )
+    p.add_argument(
+        "--expert-ffn", type=int, default=None, help="each expert's hidden width (default --ffn)"
+    )
     p.add_argument("--top-k", type=int, default=2, help="experts per token with --experts: 1 or 2")
     p.add_argument(
         "--moe-every", type=int, default=1, help="with --experts: every n-th block is an MoE"
