@@ -8,7 +8,7 @@ whole dense fp32 model on every rank, then 1/tp of it kept) and
 dense module at a time; the same values bit for bit). Measured: the growth of the rank's peak
 resident set (VmHWM) over its resident set before the build, after a warm-up build of a tiny
 model (the first use of the meta device imports ≈ 50 MB of code). Printed beside it: the dense
-fp32 bytes and 1/tp of them, the target of the per-shard build (plus the largest module and the
+fp32 bytes and 1/tp of them, the ideal of the per-shard build (plus the largest module and the
 allocator's slack). Default: a GPT-2-style model of 0.59 B parameters (2.3 GB in fp32); larger
 models need tp × (dense + shard) bytes of RAM for the dense-then-shard run.
 """
@@ -61,7 +61,7 @@ def main() -> None:
         rows = tpedu.launch(peak_growth, a.tp, config, sharded, backend="gloo")
         peak, shard = max(r[0] for r in rows), max(r[1] for r in rows) * 4
         print(f"{name:<26} {peak / GB:>17.2f} {peak / dense:>8.2f} {shard / GB:>9.2f}")
-    print(f"target: about 1/tp = {1 / a.tp:.2f} of the dense bytes, plus a small constant")
+    print(f"ideal: 1/tp = {1 / a.tp:.2f} of the dense bytes at tp {a.tp}, plus a small constant")
 
 
 if __name__ == "__main__":
