@@ -378,13 +378,14 @@ def test_pick_names_every_function_of_the_real_exercises(monkeypatch, capsys):
 
 
 def test_the_bug_hunt_says_when_the_reference_ran():
-    """hunt.mystery(k, fix=m) reports "your fix" only when the case's function is the learner's."""
+    """hunt.check(k, m) says "closed" only when case_k is the learner's; the reference's (pick's
+    stand-in for a stub) is "not written yet", and says the reference fix ran."""
     from tpedu.course import hunt
 
     ref = grading.implementation("l16_bug_hunt", "solutions")
-    assert {grading.whose(ref, case.function) for case in hunt.CASES} == {"reference"}
-    per_rank = [("", True, "ok")] * hunt.world(1)
-    assert str(hunt.report(1, per_rank, fixed=True, by="reference")).startswith(
-        "Case 1 with the reference's fix. "
-    )
-    assert str(hunt.report(1, per_rank, fixed=True)).startswith("Case 1 with your fix. ")
+    assert {grading.whose(ref, f"case_{k}") for k in hunt.numbers()} == {"reference"}
+    per_rank = [{"broken": (False, "b"), "fixed": (True, "f"), "shown": None}] * hunt.world(1)
+    by_reference = hunt.verdict(1, "reference", per_rank)
+    assert str(by_reference).startswith("Case 1: not written yet") and not by_reference.closed
+    assert "The reference fix ran" in str(by_reference)
+    assert str(hunt.verdict(1, "yours", per_rank, "f")).startswith("Case 1 closed: with your f")

@@ -83,6 +83,9 @@ imports only its own layer and those below it: tests/test_structure.py checks it
         gpu_check         the GPU checks behind `make gpu-check`
         bugzoo            real TP bugs as broken variants, each with the check that catches it (16)
         hunt              the blind bug hunt: mystery cases, zoo bugs applied unnamed (16)
+        hunt_cases        the hunt's cases: symptoms, the functions that ran, the answers (16)
+        mutation          a bug as one edit of tpedu's own source, shown as it ran (16)
+        figures_precision bf16 training: why the master weights stay fp32, measured (00)
         troubleshoot      gradient comparison between layouts, debug settings, numerics (16)
         capstone          the capstone's budget, and its checks on the files a run leaves (18)
     grading               the grader's learner-facing names: `tpedu.grading.hint('l03', 1)`

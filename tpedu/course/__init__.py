@@ -7,6 +7,9 @@
     gpu_check       the GPU checks, `make gpu-check`: what the CPU test suite cannot show
     bugzoo          real TP bugs as broken variants, each with the check that catches it (lesson 16)
     hunt            the blind bug hunt: zoo bugs applied unnamed, the fixes graded (lesson 16)
+    hunt_cases      the hunt's cases: what each broken run shows, its suspects, the answers (16)
+    mutation        a bug as one edit of tpedu's own source, shown and run as it ran (lesson 16)
+    figures_precision  bf16 training: why the master weights stay fp32, measured (lesson 00)
     troubleshoot    gradient comparison between layouts, debug settings, numerics (lesson 16)
     capstone        the capstone's budget, and its checks on the files a run leaves (lesson 18)
 

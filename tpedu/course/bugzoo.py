@@ -2,7 +2,9 @@
 
 Each bug is a context manager that monkeypatches ONE thing in tpedu, and comes with the check
 that catches it (a mutation test: the check passes on tpedu and fails under the bug) and the
-symptom a learner would see:
+symptom a learner would see. The six behind the hunt's cases (tpedu.course.hunt) are `EDITS`:
+one edit of tpedu's own source each (tpedu.course.mutation), so the code that ran can be read
+as it ran; the others replace the function with a broken twin written here.
 
     with broken("no_backward_all_reduce"):      # inside a rank worker (or before tpedu.launch:
         ok, detail = BUGS["..."].check()       #  forked ranks inherit the patch)
@@ -11,13 +13,13 @@ symptom a learner would see:
     no_backward_all_reduce      f's backward returns the local gradient         dense vs TP gradients
     wrong_group                f̄ all-reduces over every rank, not the TP group  dense vs TP loss (tp2×dp2)
     sp_norm_grads_unsynced     SP: norm/bias gradients never all-reduced       dense vs TP gradients (SP)
-    padded_vocab_unmasked      padding columns of the vocab shard enter the    dense vs TP loss
-                               softmax
+    padded_vocab_unmasked      the first padding column of the vocab shard     dense vs TP loss
+                               enters the softmax
     argmax_one_shard           greedy decoding takes argmax over one shard     dense vs TP argmax
     fused_qkv_naive_split      fused [q|k|v] weight chunked into t row blocks  dense vs TP loss
     kv_wrong_replica           tp > kv heads: rank r uses KV head r mod nkv    dense vs TP loss (tp 4)
     kv_replica_grads_unsynced  replicated KV heads' gradients never summed     dense vs TP gradients (tp 4)
-    seed_tp_groups             TP groups = ranks with the same tp_rank (seed 2) dense vs TP loss (tp2×dp2)
+    seed_tp_groups             groups' loops swapped: TP group = same tp_rank  dense vs TP loss (tp2×dp2)
     pipeline_warmup_reversed   1F1B warm-up counted from the wrong end         hang -> PipelineTimeout
     dropout_rank_masks         per-rank dropout masks in replicated regions    dense vs TP loss, training
     cp_lse_merge_averaged      ring attention averages partial outputs         dense vs CP loss (cp 2)
@@ -36,7 +38,7 @@ bug is caught when any rank reports not ok.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
 import torch
@@ -45,6 +47,7 @@ import torch.distributed as dist
 from tpedu import model
 from tpedu.comm import collectives
 from tpedu.comm.device import device
+from tpedu.course.mutation import Mutation, patched
 from tpedu.course.troubleshoot import TOLERANCE, compare_with_dense, summary
 from tpedu.cp import ring
 from tpedu.model import gpt
@@ -72,27 +75,7 @@ class Bug:
     source: str  # where it was reported
 
 
-@contextlib.contextmanager
-def patched(owner: object, attr: str, value: object) -> Iterator[None]:
-    """Set owner.attr = value for the block (class attributes keep their staticmethod wrapper;
-    one the class only inherits is deleted again afterwards)."""
-    inherited = isinstance(owner, type) and attr not in owner.__dict__
-    old = owner.__dict__.get(attr) if isinstance(owner, type) else getattr(owner, attr)
-    setattr(owner, attr, value)
-    try:
-        yield
-    finally:
-        if inherited:
-            delattr(owner, attr)
-        else:
-            setattr(owner, attr, old)
-
-
 # ---------------------------------------------------------------------------- broken variants
-
-
-def _copy_backward_local(ctx: object, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-    return grad, None  # BUG: each rank keeps only its own shard's share of dL/dx
 
 
 def _reduce_forward_world(ctx: object, x: torch.Tensor, group: object) -> torch.Tensor:
@@ -105,55 +88,53 @@ def _sync_nothing(params: object, group: object = None) -> None:
     return None  # BUG: the SP norms' and biases' partial gradients stay partial
 
 
-def _no_padding_mask(logits_shard: torch.Tensor, start: int, vocab_size: int) -> torch.Tensor:
-    return logits_shard  # BUG: padding columns (logit 0) join the max and the softmax sum
-
-
-def _argmax_one_shard(logits_shard: torch.Tensor, vocab_size: int, group: object = None):
-    start = dist.get_rank(group) * logits_shard.shape[-1]
-    return logits_shard.argmax(dim=-1) + start  # BUG: this shard's best token, not the model's
-
-
 def _split_qkv_naive(
     weight: torch.Tensor, n_heads: int, n_kv_heads: int, tp: int, rank: int
 ) -> torch.Tensor:
     return weight.detach().chunk(tp, dim=0)[rank].contiguous()  # BUG: rank 0 gets q, q, ...
 
 
-_local_heads = attention.local_heads
-
-
-def _local_heads_modulo(n_heads: int, n_kv_heads: int, tp: int, rank: int):
-    q, kv = _local_heads(n_heads, n_kv_heads, tp, rank)
-    if tp > n_kv_heads:
-        kv = [rank % n_kv_heads]  # BUG: should be rank // (tp / nkv), the head its queries use
-    return q, kv
-
-
 def _no_kv_sync(self: object) -> None:
     return None  # BUG: each replica keeps the gradient of its own queries only
 
 
-_axis_groups = mesh.Layout.axis_groups  # the original: the bug replaces the TP axis only
+_VARY_AXIS = "            for i in range(sizes[axis])\n        ]\n"
+_FIX_OTHERS = "        for fixed in itertools.product(*(range(sizes[a]) for a in others))\n"
+_VARY_OTHERS = (
+    "            for fixed in itertools.product(*(range(sizes[a]) for a in others))\n        ]\n"
+)
+_FIX_AXIS = "        for i in range(sizes[axis])\n"
 
-
-def _seed_tp_groups(self: mesh.Layout, axis: str) -> list[list[int]]:
-    if axis != "tp":
-        return _axis_groups(self, axis)
-    groups: list[list[int]] = []
-    for r in range(self.world):  # BUG (second seed): ranks with the same tp_rank, not a TP group
-        g = mesh.seed_tp_group(self.world, self.tp, r)
-        if g not in groups:
-            groups.append(g)
-    return groups
-
-
-def _one_f_one_b_reversed(n_micro: int, n_stages: int, stage: int) -> list:
-    warm = min(stage, n_micro)  # BUG: the first stage needs p-1-s warm-up forwards, not s
-    out: list = [("F", i) for i in range(warm)]
-    for i in range(n_micro - warm):
-        out += [("F", warm + i), ("B", i)]
-    return out + [("B", i) for i in range(n_micro - warm, n_micro)]
+# The hunt's six: one edit of tpedu's own source each, so the code that ran reads as tpedu's.
+EDITS: dict[str, Mutation] = {
+    "no_backward_all_reduce": Mutation(
+        tp_ops.CopyToTPRegion, "backward", "    collectives.all_reduce(grad, ctx.group)\n", ""
+    ),
+    "padded_vocab_unmasked": Mutation(
+        vocab_parallel, "_mask_padding", "cols >= vocab_size", "cols > vocab_size"
+    ),
+    "argmax_one_shard": Mutation(
+        vocab_parallel,
+        "vocab_parallel_argmax",
+        "    values = collectives.all_gather(best.contiguous(), group, dim=-1)  # [..., t], rank "
+        "order\n    ids = collectives.all_gather((idx + start).contiguous(), group, dim=-1)\n"
+        "    winner = values.argmax(dim=-1, keepdim=True)  # first (lowest-rank) maximum: lowest "
+        "id\n    return ids.gather(-1, winner).squeeze(-1)\n",
+        "    return (idx + start).squeeze(-1)\n",
+    ),
+    "kv_wrong_replica": Mutation(
+        attention, "local_heads", "kv = [rank // (tp // n_kv_heads)]", "kv = [rank % n_kv_heads]"
+    ),
+    "seed_tp_groups": Mutation(  # the two loops swapped: groups of ranks sharing the coordinate
+        mesh.Layout, "axis_groups", _VARY_AXIS + _FIX_OTHERS, _VARY_OTHERS + _FIX_AXIS
+    ),
+    "pipeline_warmup_reversed": Mutation(
+        schedules,
+        "one_f_one_b",
+        "warm = min(n_stages - 1 - stage, n_micro)",
+        "warm = min(stage, n_micro)",
+    ),
+}
 
 
 _index_dropout = gpt.index_dropout
@@ -224,16 +205,23 @@ def check_mesh_groups() -> tuple[bool, str]:
     return _vs_dense(GPT2, m.tp_group, seed=1 + m.dp_rank)
 
 
-def check_argmax() -> tuple[bool, str]:
-    """Greedy decoding from vocab-parallel logits == argmax of the dense logits, every row."""
+def argmax_logits() -> tuple[torch.Tensor, torch.Tensor]:
+    """(the whole logits [16, 37], this rank's shard of them padded to 37 rounded up to the world
+    size): random float64 from seed 5, the same on every rank."""
     g = torch.Generator().manual_seed(5)
     v, t, r = 37, dist.get_world_size(), dist.get_rank()
     n = -(-v // t)
     full = torch.randn(16, v, generator=g, dtype=torch.float64).to(device())
     padded = torch.nn.functional.pad(full, (0, n * t - v))
-    got = vocab_parallel.vocab_parallel_argmax(padded[:, r * n : (r + 1) * n], v)
+    return full, padded[:, r * n : (r + 1) * n]
+
+
+def check_argmax() -> tuple[bool, str]:
+    """Greedy decoding from vocab-parallel logits == argmax of the dense logits, every row."""
+    full, shard = argmax_logits()
+    got = vocab_parallel.vocab_parallel_argmax(shard, full.shape[-1])
     wrong = int((got != full.argmax(-1)).sum())
-    return wrong == 0, f"{wrong} of 16 tokens differ from the dense argmax"
+    return wrong == 0, f"{wrong} of 16 tokens differ from tp=1's"
 
 
 def check_pipeline() -> tuple[bool, str]:
@@ -379,7 +367,7 @@ BUGS: dict[str, Bug] = {
         Bug(
             "no_backward_all_reduce",
             "f (copy_to_tp_region) forgets the all-reduce in backward",
-            lambda: patched(tp_ops.CopyToTPRegion, "backward", staticmethod(_copy_backward_local)),
+            EDITS["no_backward_all_reduce"].patch,
             check_tp_step,
             2,
             "forward and loss identical; the gradient of every layer in front of an f differs "
@@ -412,19 +400,19 @@ BUGS: dict[str, Bug] = {
         ),
         Bug(
             "padded_vocab_unmasked",
-            "padding columns of the vocab-parallel logits not masked",
-            lambda: patched(vocab_parallel, "_mask_padding", _no_padding_mask),
+            "the padding mask compares with > instead of >=: the first padding column is kept",
+            EDITS["padded_vocab_unmasked"].patch,
             check_tp_step,
             2,
-            "loss too high by log(1 + n_pad·e^(-m)/S) whenever vocab % tp != 0 (fine when it "
-            "divides); probability mass on ids that do not exist",
+            "loss too high by log(1 + e^(z_pad - m)/S) whenever vocab % tp != 0 (fine when it "
+            "divides); probability mass on an id that does not exist",
             "not in the seeds (a course addition from practice): Megatron-LM pads the vocabulary "
             "(make_vocab_size_divisible_by) and masks the padding",
         ),
         Bug(
             "argmax_one_shard",
             "greedy decoding: argmax over this rank's vocabulary shard",
-            lambda: patched(vocab_parallel, "vocab_parallel_argmax", _argmax_one_shard),
+            EDITS["argmax_one_shard"].patch,
             check_argmax,
             2,
             "training is fine; generated text differs per rank and from tp=1 (each rank emits "
@@ -444,7 +432,7 @@ BUGS: dict[str, Bug] = {
         Bug(
             "kv_wrong_replica",
             "tp > KV heads: rank r takes KV head r mod nkv, not r // (tp/nkv)",
-            lambda: patched(attention, "local_heads", _local_heads_modulo),
+            EDITS["kv_wrong_replica"].patch,
             check_gqa_step,
             4,
             "GQA model at tp > n_kv_heads: queries attend with another group's keys; loss "
@@ -465,8 +453,9 @@ BUGS: dict[str, Bug] = {
         ),
         Bug(
             "seed_tp_groups",
-            "TP groups built as in the second seed (same tp_rank: never a TP group)",
-            lambda: patched(mesh.Layout, "axis_groups", _seed_tp_groups),
+            "groups built with the two loops swapped: a 'TP group' is the ranks with the same "
+            "tp_rank, as in the second seed (never a TP group)",
+            EDITS["seed_tp_groups"].patch,
             check_mesh_groups,
             4,
             "at dp = pp = 1 each 'TP group' is one rank: tpedu silently runs the unsharded model "
@@ -478,7 +467,7 @@ BUGS: dict[str, Bug] = {
         Bug(
             "pipeline_warmup_reversed",
             "1F1B warm-up counted from the wrong end (s, not p-1-s)",
-            lambda: patched(schedules, "one_f_one_b", _one_f_one_b_reversed),
+            EDITS["pipeline_warmup_reversed"].patch,
             check_pipeline,
             2,
             "hang: stage 0 waits for a gradient, stage 1 for an activation; with a timeout, "
@@ -591,8 +580,9 @@ def run_check(name: str, with_bug: bool) -> tuple[bool, str]:
         return BUGS[name].check()
 
 
-def catalogue() -> str:
-    """A text table of the zoo: name, ranks, what is wrong."""
+def catalogue(names: Iterable[str] | None = None) -> str:
+    """A text table of the zoo (or of the bugs `names`): name, ranks, what is wrong."""
     lines = [f"{'bug':<26} {'ranks':>5}  what is wrong", "-" * 90]
-    lines += [f"{b.name:<26} {b.world:>5}  {b.title}" for b in BUGS.values()]
+    shown = [BUGS[n] for n in names] if names is not None else list(BUGS.values())
+    lines += [f"{b.name:<26} {b.world:>5}  {b.title}" for b in shown]
     return "\n".join(lines)

@@ -1,315 +1,301 @@
-"""Lesson 16: the blind bug hunt: mystery cases, each one bug of the zoo applied without its name.
+"""Lesson 16: the blind bug hunt: six broken runs of tpedu, shown only by what they do.
 
-A case shows what a practitioner would see (a loss curve next to tp=1's, the bad rows of the
-gradient table, tokens per rank, a hang turned into a timeout) and the zoo check that fails.
-The learner reads tpedu's code, finds which function must be wrong, and writes it fixed in
-exercises/l16_bug_hunt.py; `mystery(k, fix=module)` then runs the same check with the learner's
-function in place of the broken one:
+Each case runs tpedu with one function edited (the bug), shows what a practitioner would see and
+the check that fails, and lists the code that ran; nothing it prints names the bug.
 
-    print(mystery(1))              # the symptom and the failing check (launches the ranks)
-    print(mystery(1, fix=m))       # m = pick("l16_bug_hunt"): the check again, with the fix
+    print(r := case(1)); plot(r)    # the broken run: its story, what it shows, the failing check
+    print(suspects(1))              # the functions that ran on the failing path, as they ran
+    print(check(1, m))              # m = pick("l16_bug_hunt"): the case again, with your case_1
+    print(answer(1))                # the answer (which function, the edit, why it shows so)
 
-`mystery` launches its ranks itself; `run_case` is the worker body (for tests that launch).
+In exercises/l16_bug_hunt.py, `case_k()` returns (the name of the suspect you found wrong, as
+`suspects(k)` heads it; your rewrite of it). `check` says "closed" only when that function of
+yours passes the check where the broken run failed; while case_k still raises
+NotImplementedError it says "not written yet" (and, if pick put the reference's case_k in, that
+the reference fix ran). `case`, `check` launch their ranks themselves; `run_case` is the worker.
 """
 
 from __future__ import annotations
 
-import contextlib
-import importlib
+import textwrap
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field
 from types import ModuleType
+from typing import TYPE_CHECKING
 
-import torch
-import torch.distributed as dist
-
-from tpedu.comm.device import device
 from tpedu.course import bugzoo, grading
-from tpedu.course.claims import within
-from tpedu.course.troubleshoot import TOLERANCE, compare_with_dense
+from tpedu.course.bugzoo import GPT2, example_batch
+from tpedu.course.hunt_cases import CASES, Case, Observation, unhunted
+from tpedu.course.mutation import FLAGS, Suspect, globals_read
+from tpedu.course.troubleshoot import TOLERANCE
 from tpedu.launcher import launch
-from tpedu.model.dense import DenseGPT
-from tpedu.model.gpt import TPGPT
-from tpedu.parallel import mesh
-from tpedu.parallel.pipeline import schedules
-from tpedu.tp import attention, vocab_parallel
-from tpedu.tp import operators as tp_ops
 
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
-@dataclass(frozen=True)
-class Case:
-    """One mystery: the zoo bug behind it and the exercise function that fixes it (neither is
-    printed), how to put that function into tpedu, and what to show."""
-
-    bug: str
-    function: str
-    substitute: Callable[[Callable], contextlib.AbstractContextManager]
-    observe: Callable[[], str]  # on every rank under the bug: what rank 0's text shows
-    story: str  # printed: the run that went wrong
-    read: str  # printed: the files to read
-
-
-# ------------------------------------------------------------------------------ observations
-
-
-def _curves(config: object, group: object = None, steps: int = 5) -> tuple[list, list]:
-    """Loss of `steps` AdamW steps of DenseGPT and of TPGPT (same init, same batches), float64."""
-    torch.manual_seed(0)
-    dense = DenseGPT(config).double()
-    tp = TPGPT(dense, group).double().to(device())
-    dense.to(device())
-    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (dense, tp)]
-    out: tuple[list, list] = ([], [])
-    for step in range(steps):
-        ids, tgt = (x.to(device()) for x in bugzoo.example_batch(config, seed=step))
-        for m, opt, losses in zip((dense, tp), opts, out, strict=True):
-            opt.zero_grad()
-            loss = m(ids, tgt)
-            loss.backward()
-            if m is tp:
-                m.sync_grads()
-            opt.step()
-            losses.append(loss.item())
-    return out
-
-
-def _curve_text(config: object, group: object = None, label: str = "") -> str:
-    """The two loss curves, to four decimals: past them, five AdamW steps already carry the CPU
-    kernels' rounding (a bug moves the loss in the third)."""
-    dense, tp = _curves(config, group)
-    rows = [(f"loss per step{label}", [f"{s:>9}" for s in range(len(dense))])]
-    rows.append(("  tp=1 (dense)", [f"{v:9.4f}" for v in dense]))
-    rows.append((f"  tp={dist.get_world_size(group)}", [f"{v:9.4f}" for v in tp]))
-    return "\n".join(f"{a:<30}" + " ".join(b) for a, b in rows)
-
-
-def _bad_rows(config: object, group: object = None) -> str:
-    ids, tgt = bugzoo.example_batch(config)
-    cmp = compare_with_dense(config, group, ids, tgt)
-    return "compare_with_dense, rows above the tolerance only:\n" + cmp.table(only_bad=True)
-
-
-def _see_gradients() -> str:
-    return _curve_text(bugzoo.GPT2) + "\n\n" + _bad_rows(bugzoo.GPT2)
-
-
-def _see_loss() -> str:
-    ids, tgt = bugzoo.example_batch(bugzoo.GPT2)
-    other = replace(bugzoo.GPT2, vocab_size=38)
-    cmp = compare_with_dense(other, None, *bugzoo.example_batch(other))
-    first = compare_with_dense(bugzoo.GPT2, None, ids, tgt)
-    return (
-        _curve_text(bugzoo.GPT2, label=" (vocabulary 37)")
-        + f"\n  at step 0: {first.summary()}"
-        + f"\nthe same model with vocabulary 38: {cmp.summary()}"
-    )
-
-
-def _see_tokens() -> str:
-    ids, tgt = bugzoo.example_batch(bugzoo.GPT2)
-    train = compare_with_dense(bugzoo.GPT2, None, ids, tgt)
-    g = torch.Generator().manual_seed(5)  # the logits of bugzoo.check_argmax
-    v, t, r = 37, dist.get_world_size(), dist.get_rank()
-    n = -(-v // t)
-    full = torch.randn(16, v, generator=g, dtype=torch.float64).to(device())
-    padded = torch.nn.functional.pad(full, (0, n * t - v))
-    got = vocab_parallel.vocab_parallel_argmax(padded[:, r * n : (r + 1) * n], v)
-    mine = _per_rank(got)
-    lines = [
-        f"training step vs tp=1: {train.summary()}",
-        "greedy next token of 16 rows, from the same logits:",
-        "  tp=1 (dense) " + " ".join(f"{int(i):>2}" for i in full.argmax(-1)),
-    ]
-    lines += [f"  tp={t} rank {q}  " + " ".join(f"{int(i):>2}" for i in row) for q, row in mine]
-    return "\n".join(lines)
-
-
-def _per_rank(x: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
-    """(rank, x of that rank) for every rank: an all-gather, to print every rank's view."""
-    parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, x.contiguous())
-    return list(enumerate(parts))
-
-
-def _see_gqa() -> str:
-    world, rank = dist.get_world_size(), dist.get_rank()
-    pairs = [dist.new_group([i, i + 1]) for i in range(0, world, 2)]
-    small = compare_with_dense(bugzoo.LLAMA, pairs[rank // 2], *bugzoo.example_batch(bugzoo.LLAMA))
-    return (
-        f"GQA model, {bugzoo.LLAMA.n_heads} query heads, {bugzoo.LLAMA.n_kv_heads} KV heads\n"
-        + _curve_text(bugzoo.LLAMA)
-        + f"\nthe same model at tp=2: {small.summary()}"
-    )
-
-
-def _see_mesh() -> str:
-    rank = dist.get_rank()
-    wide = mesh.Mesh(mesh.Layout(tp=dist.get_world_size()))  # tp 4 × dp 1
-    dense = DenseGPT(bugzoo.GPT2)
-    tp = TPGPT(dense, wide.tp_group)
-    count = [sum(p.numel() for p in m.parameters()) for m in (dense, tp)]
-    m = mesh.Mesh(mesh.Layout(tp=2, pp=1, dp=2))
-    cmp = compare_with_dense(
-        bugzoo.GPT2, m.tp_group, *bugzoo.example_batch(bugzoo.GPT2, 1 + m.dp_rank)
-    )
-    line = (
-        f"rank {rank}: tp 4 × dp 1 keeps {count[1]} of the dense model's {count[0]} parameters;"
-        f" tp 2 × dp 2 (data replica {m.dp_rank}): loss dense {cmp.loss_dense:.6f}, tp "
-        f"{cmp.loss_tp:.6f} (rel diff {within(cmp.loss_diff, TOLERANCE)})"
-    )
-    lines: list = [None] * dist.get_world_size()
-    dist.all_gather_object(lines, line)  # every rank's view, printed once
-    return "\n".join(lines)
-
-
-def _nothing() -> str:
-    return ""
-
-
-# ------------------------------------------------------------------------------ the cases
-
-
-_local_heads = attention.local_heads  # the original: the case patches attention.local_heads
-_axis_groups = mesh.Layout.axis_groups  # ... and this one Layout.axis_groups (TP only)
-
-
-def _kv_from(fix: Callable) -> Callable:
-    def local_heads(n_heads: int, n_kv_heads: int, tp: int, rank: int) -> tuple[list, list]:
-        q, _ = _local_heads(n_heads, n_kv_heads, tp, rank)
-        return q, list(fix(n_heads, n_kv_heads, tp, rank))
-
-    return local_heads
-
-
-def _groups_from(fix: Callable) -> Callable:
-    def axis_groups(self: mesh.Layout, axis: str) -> list[list[int]]:
-        if axis != "tp":
-            return _axis_groups(self, axis)
-        return fix(self.world, self.tp, self.pp)
-
-    return axis_groups
-
-
-TP_FILES = "tpedu/tp/operators.py, tpedu/tp/layers.py, tpedu/tp/vocab_parallel.py"
-
-# A fixed order, not the zoo's, so that a case's number says nothing about its bug.
-CASES: list[Case] = [
-    Case(
-        "kv_wrong_replica",
-        "kv_heads_of_rank",
-        lambda fix: bugzoo.patched(attention, "local_heads", _kv_from(fix)),
-        _see_gqa,
-        "A grouped-query Llama-like model is moved from tp=2 to tp=4 (more ranks than KV heads).",
-        "tpedu/tp/attention.py (how a rank picks its heads and its rows of the fused QKV weight)",
-    ),
-    Case(
-        "pipeline_warmup_reversed",
-        "one_f_one_b",
-        lambda fix: bugzoo.patched(schedules, "one_f_one_b", fix),
-        _nothing,
-        "A 2-stage pipeline run with 2 micro-batches starts and never finishes its first step.",
-        "tpedu/parallel/pipeline/ (the schedules and run_schedule)",
-    ),
-    Case(
-        "padded_vocab_unmasked",
-        "mask_padding",
-        lambda fix: bugzoo.patched(vocab_parallel, "_mask_padding", fix),
-        _see_loss,
-        "A small GPT with an odd vocabulary (37 tokens) trains at tp=2 next to tp=1.",
-        TP_FILES,
-    ),
-    Case(
-        "seed_tp_groups",
-        "tp_groups",
-        lambda fix: bugzoo.patched(mesh.Layout, "axis_groups", _groups_from(fix)),
-        _see_mesh,
-        "The same 4 ranks are laid out as tp 4 × dp 1, then as tp 2 × dp 2 with two batches.",
-        "tpedu/parallel/mesh.py (the layout and its process groups)",
-    ),
-    Case(
-        "no_backward_all_reduce",
-        "copy_to_tp_region",
-        lambda fix: bugzoo.patched(tp_ops.CopyToTPRegion, "apply", staticmethod(fix)),
-        _see_gradients,
-        "A small GPT trains at tp=2 next to tp=1 on the same batches.",
-        TP_FILES,
-    ),
-    Case(
-        "argmax_one_shard",
-        "vocab_parallel_argmax",
-        lambda fix: bugzoo.patched(vocab_parallel, "vocab_parallel_argmax", fix),
-        _see_tokens,
-        "A tp=2 model that trains exactly like tp=1 generates different text on each rank.",
-        "tpedu/tp/vocab_parallel.py, tpedu/model/generate.py",
-    ),
+# GPT2, example_batch: the small model every case's check runs, and its batches
+__all__ = [
+    "GPT2",
+    "answer",
+    "case",
+    "check",
+    "example_batch",
+    "fix_of",
+    "numbers",
+    "plot",
+    "run_case",
+    "suspects",
+    "unhunted",
 ]
+
+EXERCISE = "exercises/l16_bug_hunt.py"
+
+
+def numbers() -> range:
+    """The case numbers: 1 to 6."""
+    return range(1, len(CASES) + 1)
 
 
 def _case(k: int) -> Case:
-    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= len(CASES):
+    if isinstance(k, bool) or not isinstance(k, int) or k not in numbers():
         raise ValueError(f"there are mystery cases 1 to {len(CASES)}, got {k!r}")
     return CASES[k - 1]
 
 
 def world(k: int) -> int:
     """How many ranks case k runs on."""
-    return bugzoo.BUGS[_case(k).bug].world
-
-
-def run_case(
-    k: int, fix: str | ModuleType | None = None, show: bool = True
-) -> tuple[str, bool, str]:
-    """Worker body: (what this rank shows, check ok, check detail) for case k under its bug, or
-    with `fix` (a module or its name) supplying the function in place of the broken one.
-    `show=False` runs the check only (the text is then empty)."""
-    case = _case(k)
-    if fix is None:
-        ctx = bugzoo.broken(case.bug)
-    else:
-        module = importlib.import_module(fix) if isinstance(fix, str) else fix
-        ctx = case.substitute(getattr(module, case.function))
-    with ctx:
-        shown = case.observe() if show and fix is None else ""
-        ok, detail = bugzoo.BUGS[case.bug].check()
-    return shown, ok, detail
+    return _case(k).world
 
 
 @dataclass
 class Report:
-    """What `mystery` found: `ok` is the check's verdict on every rank; print it for the text."""
+    """What `case` or `check` found; print it for the text. `ok`: the check passed on every
+    rank (the broken run's, for `case`; the one with the fix, for `check`). `closed`: your own
+    fix passed where the broken run failed."""
 
     text: str
     ok: bool
+    closed: bool = False
+    observed: Observation = field(default_factory=Observation)
 
     def __str__(self) -> str:
         return self.text
 
 
-def report(k: int, per_rank: list[tuple[str, bool, str]], fixed: bool, by: str = "yours") -> Report:
-    """The text of case k from every rank's `run_case` result (rank 0's view of the symptom);
-    with `fixed`, `by` says whose function ran in place of the broken one: "yours" or
-    "reference" (pick put the reference's in, as yours still raises NotImplementedError)."""
-    check = bugzoo.BUGS[_case(k).bug].check
-    ok = all(r[1] for r in per_rank)
-    verdicts = [
-        f"  rank {q}: {'passes' if o else 'FAILS '}  {d}" for q, (_, o, d) in enumerate(per_rank)
+# ------------------------------------------------------------------------------ on every rank
+
+
+def run_case(
+    k: int, fix: tuple[str, Callable] | None = None, show: bool = True
+) -> dict[str, object]:
+    """Worker body, on every rank of case k's launch, with the case's bug in place:
+    {"shown": the Observation (show=True), "broken": the check's (ok, detail), "fixed": the same
+    with `fix` = (suspect name, function) in place of that suspect (None without a fix)}."""
+    case = _case(k)
+    out: dict[str, object] = {"shown": None, "fixed": None}
+    with case.edit.patch():
+        out["shown"] = case.observe() if show else None
+        out["broken"] = case.check()
+        if fix is not None:
+            name, fn = fix
+            suspect = next(s for s in case.suspects(k) if s.name == name)
+            try:
+                with suspect.install(fn):
+                    out["fixed"] = case.check()
+            except Exception as e:  # the learner's code: report it as the check's failure
+                msg = str(e).splitlines()[0][:160] if str(e) else ""
+                out["fixed"] = (False, f"your function raised {type(e).__name__}: {msg}")
+    return out
+
+
+# ------------------------------------------------------------------------------ what is printed
+
+
+def _verdicts(per_rank: list[dict], key: str, label: str = "") -> list[str]:
+    label = f"{label:<9} " if label else ""
+    return [
+        f"  rank {q}: {label}{'passes' if r[key][0] else 'FAILS '}  {r[key][1]}"
+        for q, r in enumerate(per_rank)
     ]
-    doc = (check.__doc__ or "").strip().splitlines()[0].rstrip(".")
-    head = f"The check bugzoo.{check.__name__} ({doc})"
-    if fixed:
-        title = "passes on every rank. Case closed." if ok else "still fails."
-        fix = "your fix" if by == "yours" else "the reference's fix"
-        return Report(f"Case {k} with {fix}. {head} {title}\n" + "\n".join(verdicts), ok)
-    text = [f"Case {k} ({world(k)} ranks). {_case(k).story}", ""]
-    text += [per_rank[0][0], ""] if per_rank[0][0] else []
-    text += [f"{head} fails:" if not ok else f"{head}:", *verdicts, "", f"Read: {_case(k).read}"]
-    return Report("\n".join(text), ok)
 
 
-def mystery(k: int, fix: ModuleType | None = None, timeout: float = 120) -> Report:
-    """Launch case k on its ranks: the symptom and the failing check; with `fix` (a module,
-    e.g. pick("l16_bug_hunt")) whether the check passes with that module's function."""
-    name = fix.__name__ if fix is not None else None
-    per_rank = launch(run_case, world(k), k, name, timeout=timeout)
-    by = grading.whose(fix, _case(k).function) if fix is not None else "yours"
-    return report(k, per_rank, fix is not None, by)
+def broken_report(k: int, per_rank: list[dict]) -> Report:
+    """Case k's broken run from every rank's `run_case` (rank 0's observation)."""
+    c = _case(k)
+    ok = all(r["broken"][0] for r in per_rank)
+    seen = per_rank[0]["shown"] or Observation()
+    text = [f"Case {k} ({c.world} ranks). {c.story}", ""]
+    text += [seen.text, ""] if seen.text else []
+    text += [f"The check: {c.compares}. It {'passes' if ok else 'fails'}:"]
+    text += _verdicts(per_rank, "broken")
+    text += ["", f"The code that ran: print(hunt.suspects({k}))."]
+    return Report("\n".join(text), ok, observed=seen)
+
+
+def verdict(k: int, by: str, per_rank: list[dict], name: str = "") -> Report:
+    """Case k's answer to a fix: by = "yours" (your case_k ran, as `name`), "reference" (pick
+    put the reference's case_k in: yours is not written yet) or "unwritten" (nothing ran).
+    "closed" only for your own fix that passes where the broken run failed."""
+    fn = f"case_{k}"
+    if by == "unwritten":
+        text = (
+            f"Case {k}: not written yet ({fn} in {EXERCISE} still raises NotImplementedError). "
+            "Nothing ran."
+        )
+        return Report(text, False)
+    broke = not all(r["broken"][0] for r in per_rank)
+    fixed = all(r["fixed"][0] for r in per_rank)
+    lines = _verdicts(per_rank, "broken", "broken") + _verdicts(
+        per_rank, "fixed", "your fix" if by == "yours" else "reference"
+    )
+    lines.sort(key=lambda s: int(s.split(":")[0].split()[-1]))  # rank by rank
+    if by == "reference":
+        if not (broke and fixed):
+            raise AssertionError(f"case {k}: the reference fix must pass where the bug failed")
+        head = (
+            f"Case {k}: not written yet ({fn} still raises NotImplementedError, so pick put the "
+            "reference's in). The reference fix ran, and the check passes with it. The case "
+            "stays open until yours passes."
+        )
+        return Report("\n".join([head, *lines]), fixed)
+    closed = broke and fixed
+    if closed:
+        head = f"Case {k} closed: with your {name}, the check passes where the broken run failed."
+    else:
+        head = f"Case {k} still open: with your {name}, the check still fails."
+    return Report("\n".join([head, *lines]), fixed, closed)
+
+
+# ------------------------------------------------------------------------------ the learner's calls
+
+
+def case(k: int, timeout: float = 120) -> Report:
+    """Launch case k broken: its story, what it shows, the check that fails (asserted: the bug
+    must show). `plot(report)` draws its loss curves."""
+    per_rank = launch(run_case, world(k), k, None, True, timeout=timeout)
+    report = broken_report(k, per_rank)
+    if report.ok:
+        raise AssertionError(f"case {k}: its check passed: the broken run shows nothing")
+    return report
+
+
+def _reads(s: Suspect, source: str) -> str:
+    """The module-level names `source` (a function's) reads in its body, for a rewrite's imports."""
+    fn = s.original
+    module_code = compile(source, "<suspect>", "exec", FLAGS, True)  # annotations: not read
+    bodies = [c for c in module_code.co_consts if hasattr(c, "co_names")]
+    names = [n for c in bodies for n in globals_read(c, fn.__globals__)]
+    names = [n for i, n in enumerate(names) if n not in names[:i] and n != fn.__name__]
+    return ", ".join(names) or "nothing"
+
+
+def suspects(k: int) -> str:
+    """The functions that ran on case k's failing path, in a fixed shuffled order, each as it
+    ran: one of them with the edit that broke the run, none marked."""
+    c = _case(k)
+    found = c.suspects(k)
+    head = (
+        f"Case {k}: {len(found)} functions that ran on the failing path, each as it ran. One of "
+        "them is wrong. (It is wrong only while the case runs: tpedu's files hold the working "
+        "code, so read these, not the files.) Your fix: in "
+        f'{EXERCISE}, case_{k}() returns ("<the name it is headed with>", your rewrite of it: '
+        "same arguments, same contract)."
+    )
+    parts = [textwrap.fill(head, 100)]
+    for s in found:
+        source = c.edit.source() if s == c.edit.suspect else s.source()
+        path, line = s.where()
+        shown = f"# ── {s.name} · {path}, line {line} · reads from its module: {_reads(s, source)}"
+        parts += ["", shown, source.rstrip()]
+    return "\n".join(parts)
+
+
+def fix_of(k: int, make: Callable[[], object]) -> tuple[str, Callable]:
+    """(suspect name, function) from case_k(); a ValueError says what is wrong with it."""
+    names = [s.name for s in _case(k).suspects(k)]
+    got = make()
+    if not (isinstance(got, tuple) and len(got) == 2 and isinstance(got[0], str)):
+        raise ValueError(
+            f"case_{k}() must return a pair: a suspect's name as hunt.suspects({k}) heads it, "
+            f"and your function; got {type(got).__name__}"
+        )
+    name, fn = got
+    if name not in names:
+        raise ValueError(f"{name!r} is not one of case {k}'s suspects: {', '.join(names)}")
+    if not callable(fn):
+        raise ValueError(f"case_{k}() returned {type(fn).__name__} for {name}, not a function")
+    suspect = next(s for s in _case(k).suspects(k) if s.name == name)
+    if getattr(fn, "__func__", fn) is suspect.original:
+        raise ValueError(f"case_{k}() returned tpedu's own {name}, not your rewrite of it")
+    return name, fn
+
+
+def check(k: int, module: ModuleType, timeout: float = 120) -> Report:
+    """Case k with the fix `module.case_k()` returns (module: pick("l16_bug_hunt")): the broken
+    run's check and the check with the fix, on every rank."""
+    fn = f"case_{k}"
+    _case(k)
+    if not callable(getattr(module, fn, None)):
+        raise ValueError(f"{module.__name__} has no function {fn}")
+    by = grading.whose(module, fn)
+    try:
+        name, fix = fix_of(k, getattr(module, fn))
+    except NotImplementedError:
+        return verdict(k, "unwritten", [])
+    per_rank = launch(run_case, world(k), k, (name, fix), False, timeout=timeout)
+    return verdict(k, by, per_rank, name)
+
+
+def answer(k: int) -> str:
+    """Case k's answer: the function that ran broken, the edit, why it shows as it does."""
+    c = _case(k)
+    bug = bugzoo.BUGS[c.bug]
+    path, line = c.edit.suspect.where()
+    return "\n".join(
+        [
+            f"Case {k}, the answer: {bug.title} (the zoo's {c.bug}).",
+            f"The function that ran broken: {c.edit.suspect.name} ({path}, line {line}). The edit:",
+            c.edit.diff(),
+            "",
+            c.explain,
+            f"Reported: {bug.source}.",
+        ]
+    )
+
+
+def plot(report: Report) -> Figure | None:
+    """The loss curves of a broken run next to tp=1's (each on the same batches), their relative
+    gap per step, and (when it has them) every parameter's gradient gap at step 0. None when the
+    case compares no runs."""
+    import matplotlib.pyplot as plt
+
+    seen = report.observed
+    if not seen.runs:
+        return None
+    n = 3 if seen.grads else 2
+    fig, axes = plt.subplots(1, n, figsize=(4.6 * n, 3.3), width_ratios=[1, 1, 1.6][:n])
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, (label, (tp, dense)) in enumerate(seen.runs.items()):
+        col = colours[i % len(colours)]
+        axes[0].plot(dense, color=col, ls="--", lw=1, label=f"tp=1 beside {label}")
+        axes[0].plot(tp, color=col, marker=".", lw=1.4, label=label)
+        gap = [max(abs(a - b) / abs(b), 1e-17) for a, b in zip(tp, dense, strict=True)]
+        axes[1].plot(gap, color=col, marker=".", label=label)
+    axes[0].set(xlabel="step", ylabel="training loss", title="loss, next to tp=1's")
+    axes[0].legend(fontsize=7)
+    axes[1].axhline(TOLERANCE, color="k", ls=":", lw=0.8, label="1e-9: more is a bug")
+    axes[1].set(xlabel="step", ylabel="|loss - tp=1 loss| / tp=1 loss", yscale="log")
+    axes[1].set(title="gap to tp=1 (float64)", ylim=(1e-17, 1))
+    axes[1].legend(fontsize=7)
+    if seen.grads:
+        names = list(seen.grads)
+        short = [
+            s.replace("blocks.", "b").replace(".weight", ".w").replace(".bias", ".b") for s in names
+        ]
+        axes[2].bar(range(len(names)), [max(seen.grads[s], 1e-17) for s in names])
+        axes[2].axhline(TOLERANCE, color="k", ls=":", lw=0.8)
+        axes[2].set_xticks(range(len(names)), short, rotation=75, fontsize=6)
+        axes[2].set(yscale="log", ylim=(1e-17, 10), title="each gradient vs tp=1's, step 0")
+        axes[2].set_ylabel("|grad - tp=1 grad| / |tp=1 grad|", fontsize=8)
+    fig.tight_layout()
+    return fig
