@@ -29,6 +29,7 @@ from tpedu.parallel import mesh, pipeline, zero
 from tpedu.parallel.pipeline import schedules
 from tpedu.tp import attention, vocab_parallel
 from tpedu.tp import operators as tp_ops
+from tpedu.train import optim
 
 
 def _zoo_worker(names):
@@ -88,6 +89,7 @@ def test_patches_are_undone_and_names_checked():
             zero.FlatBuffer.finish_grads,
             zero.ShardedDataParallel.step,
             zero.GatherForBackward.__dict__["backward"],
+            optim.expert_params,
         ]
 
     originals = current()

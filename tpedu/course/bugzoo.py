@@ -30,6 +30,7 @@ as it ran; the others replace the function with a broken twin written here.
                                by N
     zero_shard_updated_twice   ZeRO: AdamW stepped once per parameter group    ZeRO-2 vs DP loss, step 1
     zero3_no_backward_gather   ZeRO-3: backward never re-gathers a freed block ZeRO-3 vs DP (an error)
+    ep_experts_averaged_over_dp EP: experts' gradients averaged over all of DP  EP vs plain DP (ep 2)
 
 Checks run on every rank of a launch of `Bug.world` ranks and return (ok, detail) per rank; the
 bug is caught when any rank reports not ok.
@@ -56,6 +57,7 @@ from tpedu.parallel import mesh, pipeline, zero
 from tpedu.parallel.pipeline import schedules
 from tpedu.tp import attention, vocab_parallel
 from tpedu.tp import operators as tp_ops
+from tpedu.train import optim
 
 # The small models every check uses: an odd vocabulary (37: padded at tp 2 and 4), 4 heads.
 GPT2 = model.GPTConfig.gpt2_like(37, seq_len=8, n_layers=2, hidden=16, n_heads=4)
@@ -351,6 +353,39 @@ def _vs_data_parallel(level: int, steps: int = 2) -> tuple[bool, str]:
     return True, f"{steps} steps: losses and gradient norms equal DP's to 1e-10"
 
 
+def check_ep_step(steps: int = 2) -> tuple[bool, str]:
+    """A mixture of experts at ep = world (each rank its own experts) vs plain DP (every expert
+    on every rank) on the same ranks, float64, no auxiliary loss (over different token sets
+    it would differ by design): every step's loss and gradient norm."""
+    from tpedu.parallel.config import ParallelConfig
+    from tpedu.train.config import TrainConfig
+    from tpedu.train.loop import train
+
+    moe = replace(GPT2, experts=4, top_k=2, aux_loss_coef=0.0)
+    g = torch.Generator().manual_seed(0)
+    tr = torch.randint(0, moe.vocab_size, (400,), generator=g)
+    va = torch.randint(0, moe.vocab_size, (100,), generator=g)
+    cfg = TrainConfig(steps=steps, batch=4, lr=1e-2, warmup=1, eval_every=1, eval_batches=1)
+    cfg = replace(cfg, progress=False)
+    world, dtype = dist.get_world_size(), torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        runs = {
+            ep: train(moe, cfg, tr, va, parallel=ParallelConfig(dp=world, ep=ep))
+            for ep in (1, world)
+        }
+    finally:
+        torch.set_default_dtype(dtype)
+    for step in range(steps):
+        gd, ge = runs[1]["history"][step]["grad_norm"], runs[world]["history"][step]["grad_norm"]
+        ld, le = runs[1]["losses"][step], runs[world]["losses"][step]
+        if abs(le - ld) / ld > 1e-10 or abs(ge - gd) / gd > 1e-10:
+            return False, (
+                f"step {step}: loss {le:.6f} vs DP {ld:.6f}, gradient norm {ge:.4f} vs DP {gd:.4f}"
+            )
+    return True, f"{steps} steps: losses and gradient norms equal plain DP's to 1e-10"
+
+
 def check_zero2_step() -> tuple[bool, str]:
     """ZeRO-2 (dp = world) vs plain DP: losses and gradient norms of 2 steps, float64."""
     return _vs_data_parallel(2)
@@ -548,6 +583,19 @@ BUGS: dict[str, Bug] = {
             "the replicas stay identical and nothing looks unsynced",
             "not in the seeds: an optimizer stepped once per group (or per chunk) instead of "
             "once per step",
+        ),
+        Bug(
+            "ep_experts_averaged_over_dp",
+            "EP: each rank's experts averaged over the whole DP group, not the ranks that "
+            "hold the same experts",
+            lambda: patched(optim, "expert_params", lambda chunks: []),
+            check_ep_step,
+            2,
+            "the gradient norm off from step 0 and the loss from step 1: every rank's experts "
+            "are pulled towards the other ranks' different experts; nothing crashes, and the "
+            "attention's replicas all agree",
+            "not in the seeds: Megatron-core and torchtitan reduce expert gradients over the "
+            "expert-data-parallel group only (scaled by the whole DP size)",
         ),
         Bug(
             "zero3_no_backward_gather",
