@@ -1,30 +1,55 @@
-"""Lesson 18 exercise: choose the capstone's layout, one that fits the budget.
+"""Lesson 18 exercise: survey the layouts a budget allows, then choose one and say why.
 
-Fill in `choose`, then run `make grade` (or
+Fill in `survey` and `choose`, then run `make grade` (or
 `python -m tpedu.course.grading exercises l18_capstone`);
-notebooks/18_capstone.ipynb trains the layout it returns through `pick("l18_capstone")`,
-checkpoints, reshards and serves it, and grades the files that run leaves behind.
+notebooks/18_capstone.ipynb calls both through `pick("l18_capstone")`, continues the pretrained
+model under the layout `choose` returns, checkpoints, reshards and serves it, and grades the
+files that run leaves behind (the reason included).
 """
 
 from __future__ import annotations
 
-from tpedu.course.capstone import Budget
+from collections.abc import Mapping, Sequence
+
+from tpedu.course.capstone import Budget, Candidate
 from tpedu.model.config import GPTConfig
 from tpedu.parallel.config import ParallelConfig
 
 
-def choose(config: GPTConfig, budget: Budget) -> ParallelConfig:
-    """A ParallelConfig that trains `config` on exactly `budget.ranks` ranks with no rank
-    holding more than `budget.bytes_per_rank` during one training step of `budget.batch`
-    sequences: weights, gradients, AdamW states, saved activations, and the parameters ZeRO-3
-    gathers.
+def survey(config: GPTConfig, budget: Budget) -> list[Candidate]:
+    """Every layout of this space, each measured by `tpedu.course.capstone.measure(config,
+    parallel, budget)` (the dry run of lesson 13 on every rank: bytes held by the fullest rank,
+    bytes sent by the busiest):
 
-    Do not guess: measure. `tpedu.course.capstone.fits(config, parallel, budget)` runs the dry
-    run of lesson 13 on every rank and says whether the fullest one fits (and its bytes); a
-    layout that cannot run the model at all raises a ValueError. Any fitting layout passes.
-    Look at which term dominates before adding features: splitting what is largest helps most.
-    No fitting layout among the ones you tried -> ValueError saying so.
+    - tp and pp powers of two with tp · pp dividing `budget.ranks`, and dp the rest
+      (tp · pp · dp = budget.ranks);
+    - with dp > 1, each ZeRO stage 0, 1, 2, 3; with tp > 1, sequence parallelism off and on.
+
+    A layout this model cannot run (tp not dividing the heads, more stages than layers) makes
+    `measure` raise a ValueError: leave it out. Return them all, those over the budget too
+    (`Candidate.fits(budget)` says which are within it), in any order: no ranking, that is
+    `choose`'s job.
     """
     raise NotImplementedError(
-        "l18: find a layout whose fullest rank fits the budget; hint: tpedu.grading.hint('l18', 1)"
+        "l18: enumerate the layouts of the space and measure each; hint: tpedu.grading.hint('l18', 1)"
+    )
+
+
+def choose(
+    found: Sequence[Candidate], seconds: Mapping[str, float], budget: Budget
+) -> tuple[ParallelConfig, str]:
+    """Your decision: one layout of `found` within `budget`, and why.
+
+    `seconds` maps `describe(layout)` to its measured step (`step_seconds`, on this machine's
+    CPU ranks) for the layouts within the budget. Several fit; they trade memory headroom
+    against bytes sent and step time, and any of them passes if the reason holds up. The reason
+    is a sentence or two for a colleague: it names the layout (tp, pp, dp as
+    `describe` writes them, the ZeRO stage and sequence parallelism if on) and the figures you
+    weighed, with their units (MB held, MB sent, ms per step). The grader checks that it names
+    the layout and cites at least one figure.
+
+    Nothing within the budget -> ValueError saying so.
+    """
+    raise NotImplementedError(
+        "l18: pick one of the layouts within the budget and write down why; hint: tpedu.grading.hint('l18', 1)"
     )

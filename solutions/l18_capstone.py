@@ -2,43 +2,76 @@
 
 from __future__ import annotations
 
-from tpedu.course.capstone import Budget, fits
+from collections.abc import Mapping, Sequence
+
+from tpedu.course.capstone import MB, Budget, Candidate, describe, measure
 from tpedu.model.config import GPTConfig
 from tpedu.parallel.config import ParallelConfig
 
 
-def choose(config: GPTConfig, budget: Budget) -> ParallelConfig:
-    """The first layout, simplest first, whose fullest rank fits the budget (the dry run says).
-
-    Plain layouts come first, data parallelism before pipeline before tensor parallelism (the
-    cheapest communication first); then the memory savers on top of each: ZeRO-1 (AdamW's
-    states over dp), sequence parallelism with selective recompute (activations over tp).
-    At the capstone's budget the logits [b, s, V] and the vocabulary-sized embedding dominate,
-    and tp=2 × pp=2 is the first fit: tp splits both over the vocabulary, pp halves the blocks
-    and, with 4 micro-batches, the batch each stage holds at once.
-    """
+def survey(config: GPTConfig, budget: Budget) -> list[Candidate]:
+    """Every layout of the space, in its order, measured by the dry run; the ones this model
+    cannot run at all are left out. No ranking: which one to run is `choose`'s question."""
     n = budget.ranks
-    plain = [
-        ParallelConfig(tp=tp, pp=pp, dp=n // (tp * pp))
-        for tp in (1, 2, 4, 8)
-        for pp in (1, 2, 4, 8)
-        if n % (tp * pp) == 0
+    sizes = [s for s in (1, 2, 4, 8, 16, 32) if s <= n]
+    found = []
+    for tp in sizes:
+        for pp in sizes:
+            if n % (tp * pp):
+                continue
+            dp = n // (tp * pp)
+            for zero in (0, 1, 2, 3) if dp > 1 else (0,):
+                for sp in (False, True) if tp > 1 else (False,):
+                    parallel = ParallelConfig(tp=tp, pp=pp, dp=dp, zero=zero, sequence_parallel=sp)
+                    try:
+                        found.append(measure(config, parallel, budget))
+                    except ValueError:  # tp not dividing the heads, more stages than layers
+                        continue
+    return found
+
+
+def choose(
+    found: Sequence[Candidate], seconds: Mapping[str, float], budget: Budget
+) -> tuple[ParallelConfig, str]:
+    """The layout within the budget with the most memory headroom (ties: the fewer bytes
+    sent), and why, with its figures and its cost in measured time.
+
+    Headroom first because the dry run counts tensors, and a real device holds more: the
+    allocator's fragmentation, the communication library's buffers, the runtime's context, a
+    larger batch later. A layout at 97 % of the memory is one surprise from
+    out-of-memory; a slower step is only slower.
+    """
+    fitting = [c for c in found if c.fits(budget)]
+    if not fitting:
+        raise ValueError(
+            f"no layout of the {len(found)} measured fits {budget.bytes_per_rank / MB:g} MB "
+            f"and {budget.sent_per_rank / MB:g} MB sent per rank: a larger budget, or other "
+            "memory savers (recompute)"
+        )
+    best = min(fitting, key=lambda c: (c.peak, c.sent))
+    name = describe(best.parallel)
+    why = [
+        f"{name}: fullest rank {best.peak / MB:.2f} MB of {budget.bytes_per_rank / MB:g} MB, "
+        f"{100 * (1 - best.peak / budget.bytes_per_rank):.0f}% headroom, the most of the "
+        f"{len(fitting)} layouts within the budget; {best.sent / MB:.2f} MB sent per step "
+        f"(bound {budget.sent_per_rank / MB:g} MB)."
     ]
-    plain.sort(key=lambda p: (p.tp, p.pp))  # dp first: the least communication per step
-    savers = [ParallelConfig(tp=p.tp, pp=p.pp, dp=p.dp, zero=1) for p in plain if p.dp > 1]
-    savers += [
-        ParallelConfig(tp=p.tp, pp=p.pp, dp=p.dp, sequence_parallel=True, recompute="selective")
-        for p in plain
-        if p.tp > 1
-    ]
-    for parallel in plain + savers:
-        try:
-            ok, _ = fits(config, parallel, budget)
-        except ValueError:  # this model cannot run so (tp not dividing the heads, ...)
-            continue
-        if ok:
-            return parallel
-    raise ValueError(
-        f"no layout tried fits {budget.bytes_per_rank:,} bytes per rank on {n} ranks; "
-        "try ZeRO-3, full recompute, or a larger budget"
-    )
+    least = min(fitting, key=lambda c: c.sent)
+    if least is not best:
+        why.append(
+            f"It sends {best.sent / least.sent:.1f}x the bytes of {describe(least.parallel)} "
+            f"({least.sent / MB:.2f} MB)."
+        )
+    timed = {k: v for k, v in seconds.items() if k in {describe(c.parallel) for c in fitting}}
+    if name in timed:
+        fastest = min(timed, key=timed.get)
+        why.append(
+            f"Measured here: {1e3 * timed[name]:.0f} ms per step"
+            + (
+                f", against {1e3 * timed[fastest]:.0f} ms for the fastest ({fastest}): "
+                "the price of the headroom."
+                if fastest != name
+                else ", the fastest of the layouts timed too."
+            )
+        )
+    return best.parallel, " ".join(why)

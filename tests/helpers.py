@@ -20,7 +20,6 @@ from tpedu.model.config import GPTConfig
 from tpedu.model.dense import DenseGPT
 from tpedu.model.gpt import TPGPT
 from tpedu.model.state import dense_shapes, shard_map, split_tensor
-from tpedu.serve.generate import generate_batch
 from tpedu.train.config import TrainConfig
 
 # Layers and collectives (tests/test_layers.py, tests/test_mlp.py, tests/test_tp_ops.py, the
@@ -144,20 +143,16 @@ def launches(*args):
 # The capstone's artefacts (tests/test_capstone.py, tests/exercises/test_l18_capstone.py)
 
 
-def _serve(config, path, prompt, new):
-    model = TPGPT(DenseGPT(config)).to(tpedu.device())
-    checkpoint.load(path, model)  # any saved layout -> this rank's shards
-    return generate_batch(model.eval(), [prompt], new, greedy=True)[0]
-
-
-def make_artefacts(work, choice, steps=4, new=8):
-    """The capstone's four steps, as the notebook runs them, writing into `work`."""
+def make_artefacts(work, choice, steps=4, new=8, why=None):
+    """The capstone's steps, as the notebook runs them (from a fresh model: no pretraining),
+    writing into `work`; `why`: choice.json's reason (default: one naming `choice`)."""
     from tpedu.course import capstone
     from tpedu.train.loop import train
 
     tok, train_ids, val_ids = novel_data("char")
     config = capstone.BUDGET.model(tok.vocab_size)
-    (work / "choice.json").write_text(json.dumps(choice.to_dict()))
+    name = capstone.describe(choice)
+    capstone.write_choice(work, choice, why or f"{name}: the test's layout, 25 MB per rank")
     cfg = TrainConfig(
         steps=steps,
         batch=capstone.BUDGET.batch,
@@ -183,11 +178,12 @@ def make_artefacts(work, choice, steps=4, new=8):
     (work / "resumed.json").write_text(json.dumps(run[0]))
     prompt = tok.encode("宝玉")
     ids = {
-        str(tp): tpedu.launch(_serve, tp, config, str(work / "resumed"), prompt, new)[0]
+        str(tp): capstone.serve(work / "resumed", prompt, new, tp, **capstone.SAMPLING)
         for tp in sorted({1, choice.tp})
     }
     text = tok.decode(ids["1"][len(prompt) :])
-    gen = {"prompt": prompt, "max_new_tokens": new, "ids": ids, "text": text}
+    gen = {"prompt": prompt, "max_new_tokens": new, "sampling": capstone.SAMPLING}
+    gen |= {"ids": ids, "text": text}
     (work / "generated.json").write_text(json.dumps(gen, ensure_ascii=False))
     return work
 

@@ -82,6 +82,7 @@ imports only its own layer and those below it: tests/test_structure.py checks it
         figures_model     the same for the GPT: a step's collectives, pipeline memory (07–11)
         gpu_check         the GPU checks behind `make gpu-check`
         bugzoo            real TP bugs as broken variants, each with the check that catches it (16)
+        zoo_training      the zoo's training checks: ZeRO and EP against plain DP, step by step (16)
         hunt              the blind bug hunt: mystery cases, zoo bugs applied unnamed (16)
         hunt_cases        the hunt's cases: symptoms, the functions that ran, the answers (16)
         mutation          a bug as one edit of tpedu's own source, shown as it ran (16)

@@ -1,11 +1,16 @@
-"""Grades exercises/l18_capstone.py: the chosen layout fits the capstone's budget, and a run of
-it (train with checkpoints, reshard to tp 1, resume, serve at tp 1 and the chosen tp) passes
-every artefact check of tpedu.course.capstone."""
+"""Grades exercises/l18_capstone.py: the survey measures every layout of the space (and leaves
+out the ones the model cannot run); the choice is a layout within the budget, with a reason
+that names it and cites a figure; and a run of it (train with checkpoints, reshard to tp 1,
+resume, serve at tp 1 and the chosen tp) passes every artefact check of
+tpedu.course.capstone."""
+
+from dataclasses import replace
 
 import pytest
 
 from tests.helpers import make_artefacts
 from tpedu.course import capstone
+from tpedu.course.capstone import BUDGET, MB, Budget, describe, measure
 from tpedu.course.grading import implementation
 from tpedu.parallel.config import ParallelConfig
 
@@ -13,23 +18,68 @@ NAME = "l18_capstone"
 VOCAB = 4334  # the novel's characters (novel_data("char"))
 
 
-def _choose(budget=capstone.BUDGET):
-    return implementation(NAME).choose(budget.model(VOCAB), budget)
+def space(ranks):
+    """The layouts the survey is asked for, written out here independently of the reference."""
+    out = []
+    for tp, pp in [(t, p) for t in (1, 2, 4, 8) for p in (1, 2, 4, 8) if ranks % (t * p) == 0]:
+        dp = ranks // (tp * pp)
+        for zero in range(4) if dp > 1 else [0]:
+            for sp in [False, True] if tp > 1 else [False]:
+                out.append(ParallelConfig(tp=tp, pp=pp, dp=dp, zero=zero, sequence_parallel=sp))
+    return out
 
 
-def test_the_choice_fits_the_budget():
-    choice = _choose()
-    assert isinstance(choice, ParallelConfig)
-    ok, peak = capstone.fits(capstone.BUDGET.model(VOCAB), choice)
-    assert ok, f"{capstone.describe(choice)}: {peak:,} bytes on the fullest rank"
+@pytest.fixture(scope="module")
+def candidates():
+    """Layouts within the budget and one over it, measured by the tool itself (not the
+    learner's survey), with made-up step times for the ones within it."""
+    config = BUDGET.model(VOCAB)
+    layouts = [ParallelConfig(pp=2, dp=2), ParallelConfig(pp=4), ParallelConfig(tp=2, pp=2)]
+    found = [measure(config, p) for p in [*layouts, ParallelConfig(dp=4)]]
+    seconds = {describe(c.parallel): 0.2 + 0.05 * i for i, c in enumerate(found) if c.fits()}
+    return found, seconds
 
 
-def test_a_run_of_the_choice_passes_every_artefact_check(tmp_path):
-    choice = _choose()
-    checks = capstone.check_capstone(make_artefacts(tmp_path, choice))
-    assert capstone.passed(checks), "\n".join(map(str, checks))
+def _choose(candidates, budget=BUDGET):
+    found, seconds = candidates
+    return implementation(NAME).choose(found, seconds, budget)
 
 
-def test_an_impossible_budget_is_a_value_error():
+def test_the_survey_measures_every_layout_of_the_space():
+    config = BUDGET.model(VOCAB)
+    found = implementation(NAME).survey(config, BUDGET)
+    assert all(isinstance(c, capstone.Candidate) for c in found)
+    got = sorted(describe(c.parallel) for c in found)
+    assert got == sorted(describe(p) for p in space(BUDGET.ranks))  # all run: 4 heads, 4 layers
+    by_name = {describe(c.parallel): c for c in found}
+    for p in (ParallelConfig(tp=2, pp=2), ParallelConfig(dp=4, zero=3)):
+        assert by_name[describe(p)] == measure(config, p)
+    assert sum(c.fits() for c in found) >= 3, "the budget admits several layouts"
+
+
+def test_the_survey_leaves_out_layouts_the_model_cannot_run():
+    """One head does not split over tp 2, one layer does not make two stages: only the data
+    parallel layouts of 2 ranks remain."""
+    small = Budget(ranks=2, n_layers=1, hidden=16, n_heads=1, seq_len=16, batch=4)
+    found = implementation(NAME).survey(small.model(VOCAB), small)
+    assert sorted(describe(c.parallel) for c in found) == sorted(
+        describe(ParallelConfig(dp=2, zero=z)) for z in range(4)
+    )
+
+
+def test_the_choice_is_within_the_budget_and_says_why(candidates):
+    choice, why = _choose(candidates)
+    found, _ = candidates
+    assert choice in [c.parallel for c in found if c.fits()], describe(choice)
+    capstone.check_why(why, choice)  # raises, saying what the reason lacks
+
+
+def test_nothing_within_the_budget_is_a_value_error(candidates):
     with pytest.raises(ValueError):
-        _choose(capstone.Budget(bytes_per_rank=10**5))
+        _choose(candidates, replace(BUDGET, bytes_per_rank=1 * MB))
+
+
+def test_a_run_of_the_choice_passes_every_artefact_check(candidates, tmp_path):
+    choice, why = _choose(candidates)
+    checks = capstone.check_capstone(make_artefacts(tmp_path, choice, why=why))
+    assert capstone.passed(checks), "\n".join(map(str, checks))

@@ -6,6 +6,7 @@
     claims          a lesson's claims, printed at their tolerance (the same on every CPU) and asserted
     gpu_check       the GPU checks, `make gpu-check`: what the CPU test suite cannot show
     bugzoo          real TP bugs as broken variants, each with the check that catches it (lesson 16)
+    zoo_training    the zoo's training checks: ZeRO and EP against plain DP, step by step (lesson 16)
     hunt            the blind bug hunt: zoo bugs applied unnamed, the fixes graded (lesson 16)
     hunt_cases      the hunt's cases: what each broken run shows, its suspects, the answers (16)
     mutation        a bug as one edit of tpedu's own source, shown and run as it ran (lesson 16)
