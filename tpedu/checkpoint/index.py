@@ -211,13 +211,14 @@ def read_parallel(path: str | Path) -> ParallelConfig:
 
 
 def check_config(index: dict, config: GPTConfig, where: Path) -> None:
-    """Raise naming the first model config field that differs from the checkpoint's."""
-    saved = index["model"]
+    """Raise naming the first model config field that differs from the checkpoint's (a field
+    an older checkpoint lacks counts as its default, as `GPTConfig.from_dict` reads it)."""
+    saved = GPTConfig.from_dict(index["model"])
     for f in fields(GPTConfig):
         mine = getattr(config, f.name)
-        if saved.get(f.name) != mine:
+        if getattr(saved, f.name) != mine:
             raise CheckpointError(
-                f"{where / INDEX}: field 'model.{f.name}' is {saved.get(f.name)!r} but the model "
+                f"{where / INDEX}: field 'model.{f.name}' is {getattr(saved, f.name)!r} but the model "
                 f"being loaded has {f.name}={mine!r}; build the model with the checkpoint's "
                 "config (checkpoint.read_config)"
             )
