@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from tpedu.checkpoint.hf_map import Part, Table, pack, unpack
+from tpedu.checkpoint.hf_map import Part, Table, pack, require, unpack
 from tpedu.model.config import GPTConfig
 
 _TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -94,16 +94,11 @@ def check_gpt2_shaped(config: GPTConfig) -> None:
         "position": "learned",
         "bias": True,
         "tie_embeddings": True,
-        "n_kv_heads": None,
         "experts": 0,  # GPT-2 has no mixture of experts
     }
-    for key, value in wanted.items():
-        if getattr(config, key) != value and not (
-            key == "n_kv_heads" and config.kv_heads == config.n_heads
-        ):
-            raise ValueError(
-                f"GPT-2 needs {key}={value!r}, this model has {getattr(config, key)!r}"
-            )
+    require(config, "GPT-2", wanted)
+    if config.kv_heads != config.n_heads:  # n_kv_heads None, or spelled out as n_heads
+        raise ValueError(f"GPT-2 needs n_kv_heads=None, this model has {config.n_kv_heads!r}")
     if config.activation not in ("gelu", "gelu_tanh"):
         raise ValueError(f"GPT-2 needs a GELU activation, this model has {config.activation!r}")
 

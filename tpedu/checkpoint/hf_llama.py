@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from tpedu.checkpoint.hf_map import Part, Table, pack, unpack
+from tpedu.checkpoint.hf_map import Part, Table, pack, require, unpack
 from tpedu.model.config import GPTConfig
 
 _BLOCK = {  # tpedu block key -> Llama decoder-layer key (fused QKV: see `table`)
@@ -124,11 +124,7 @@ def check_llama_shaped(config: GPTConfig) -> None:
         "bias": False,
         "experts": 0,  # Llama has no mixture of experts
     }
-    for key, value in wanted.items():
-        if getattr(config, key) != value:
-            raise ValueError(
-                f"Llama needs {key}={value!r}, this model has {getattr(config, key)!r}"
-            )
+    require(config, "Llama", wanted)
 
 
 def hf_config(config: GPTConfig) -> object:

@@ -132,3 +132,13 @@ class HFFiles:
 
     def slice(self, parts: list[Part]) -> HFSlice:
         return HFSlice(parts, [self.get_slice(p.key) for p in parts])
+
+
+def require(config: object, family: str, wanted: dict[str, object]) -> None:
+    """Raise a one-line ValueError naming the first of `wanted`'s settings that `config` does
+    not have: what the Hugging Face `family` cannot express."""
+    for key, value in wanted.items():
+        if getattr(config, key) != value:
+            raise ValueError(
+                f"{family} needs {key}={value!r}, this model has {getattr(config, key)!r}"
+            )

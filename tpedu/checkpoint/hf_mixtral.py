@@ -45,7 +45,7 @@ import re
 import torch
 
 from tpedu.checkpoint import hf_llama
-from tpedu.checkpoint.hf_map import Part, Table, pack, unpack
+from tpedu.checkpoint.hf_map import Part, Table, pack, require, unpack
 from tpedu.model.config import GPTConfig
 from tpedu.moe.router import TOP_K
 
@@ -186,11 +186,7 @@ def check_mixtral_shaped(config: GPTConfig) -> None:
     }
     if config.experts < 1:
         raise ValueError("Mixtral needs experts >= 1, this model has none: export it as Llama")
-    for key, value in wanted.items():
-        if getattr(config, key) != value:
-            raise ValueError(
-                f"Mixtral needs {key}={value!r}, this model has {getattr(config, key)!r}"
-            )
+    require(config, "Mixtral", wanted)
 
 
 def hf_config(config: GPTConfig) -> object:
