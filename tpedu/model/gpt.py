@@ -437,14 +437,15 @@ class TPGPT(nn.Module):
         return collectives.all_reduce(self.squared_grad_sum(), self.group).sqrt()
 
     def squared_grad_sum(
-        self, skip: nn.Parameter | None = None, experts_only: bool = False
+        self, skip: nn.Parameter | None = None, experts: bool | None = None
     ) -> torch.Tensor:
         """This rank's share of the squared gradient norm (float64 scalar, no communication):
         each element's square divided by its number of copies; `skip` is left out;
-        `experts_only`: the experts' parameters alone (an EP group sums those)."""
+        `experts`: True the experts' parameters alone (an EP group sums those), False all but
+        them, None all."""
         sq = torch.zeros((), dtype=torch.float64, device=next(self.parameters()).device)
         for name, p in self.named_parameters():
-            if experts_only and not is_expert_parameter(name):
+            if experts is not None and is_expert_parameter(name) != experts:
                 continue
             if p.grad is not None and p is not skip:
                 sq += (p.grad.double().square() / self.copies_of(name)).sum()

@@ -127,12 +127,15 @@ def global_grad_norm(chunks: Sequence[TPGPT], mesh: Mesh) -> torch.Tensor:
     `sync_tied_grads`). DP replicas hold identical gradients after the all-reduce: no DP
     reduction.
     """
+    # ep > 1: each EP rank holds other experts, whose squares are added over the EP group
+    split = mesh.layout.ep > 1
     sq = torch.zeros((), dtype=torch.float64, device=next(chunks[0].parameters()).device)
     for chunk in chunks:
-        sq += chunk.squared_grad_sum(skip=tied_head_copy(chunk))
-    if mesh.layout.ep > 1:  # each EP rank holds other experts: theirs are added over the group
-        mine = sum(chunk.squared_grad_sum(experts_only=True) for chunk in chunks)
-        sq += collectives.all_reduce(mine.clone(), mesh.ep_group) - mine
+        sq += chunk.squared_grad_sum(skip=tied_head_copy(chunk), experts=False if split else None)
+    if split:
+        sq += collectives.all_reduce(
+            sum(chunk.squared_grad_sum(experts=True) for chunk in chunks), mesh.ep_group
+        )
     collectives.all_reduce(sq, mesh.tp_group)
     return collectives.all_reduce(sq, mesh.pp_group).sqrt()
 
