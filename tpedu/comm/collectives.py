@@ -52,6 +52,13 @@ def group_names_kept() -> Iterator[None]:
         _group_names.update(before)
 
 
+def own_group(name: str) -> dist.ProcessGroup:
+    """A group of this launched rank alone, created by it alone (no collective), named `name`
+    for the tracer: e.g. the EP group at ep = 1, so its all-to-alls trace as "ep"."""
+    group = dist.new_group([dist.get_rank()], use_local_synchronization=True)
+    return name_group(group, name)
+
+
 @contextlib.contextmanager
 def this_rank_alone() -> Iterator[dist.ProcessGroup]:
     """A process group of this process only, to build a model's structure without talking to

@@ -139,10 +139,7 @@ def expert_parallel_moe(
     """A block's mixture of experts: experts split over options.ep_group (None: a group of
     this rank alone, every expert here) and each expert over the TP `group`."""
     check_moe_options(options.sequence_parallel)
-    ep_group = options.ep_group
-    if ep_group is None:  # named, so that a trace shows its all-to-alls as "ep" at ep = 1 too
-        ep_group = dist.new_group([dist.get_rank()], use_local_synchronization=True)
-        collectives.name_group(ep_group, "ep")
+    ep_group = options.ep_group if options.ep_group is not None else collectives.own_group("ep")
     return ExpertParallelMoE.from_dense(dense, ep_group, tp_group=group)
 
 

@@ -245,8 +245,7 @@ class Mesh:
         """The expert-parallel group; at ep = 1 a group of this rank alone, created when first
         asked for (by this rank only: no collective, nothing for a model without experts)."""
         if "ep" not in self.groups:
-            g = dist.new_group([self.rank], use_local_synchronization=True)
-            self.groups["ep"], self.members["ep"] = collectives.name_group(g, "ep"), [self.rank]
+            self.groups["ep"], self.members["ep"] = collectives.own_group("ep"), [self.rank]
         return self.groups["ep"]
 
     ep_rank = property(lambda self: self.coords["dp"] % self.layout.ep)
