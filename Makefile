@@ -58,10 +58,18 @@ format: $(STAMP)
 NBVAL := --nbval --nbval-current-env --nbval-cell-timeout=600 --nbval-sanitize-with nbval_sanitize.cfg
 TEST_ENV := TPEDU_IMPL=solutions TPEDU_BACKEND=$${TPEDU_BACKEND:-gloo}
 PYTEST := $(PY) -m pytest -p no:cacheprovider
+# The suite runs on JOBS pytest-xdist workers (JOBS=0: in pytest's own process). Much of a
+# multi-rank test is waiting (processes starting, ranks meeting), so two workers keep 2 cores busy.
+# --dist loadfile keeps each file on one worker: a notebook's cells share one kernel, in order.
+# The capstone, the longest lesson, goes first so that the workers finish together.
+JOBS ?= 2
+WORKERS := -n $(JOBS) --dist loadfile
+NOTEBOOKS := notebooks/18_capstone.ipynb \
+	$(filter-out notebooks/18_capstone.ipynb,$(sort $(wildcard notebooks/*.ipynb)))
 
 # The whole suite: package tests, exercise tests against solutions/, every notebook under nbval.
 test: lint
-	$(TEST_ENV) $(PYTEST) $(NBVAL) tests notebooks
+	$(TEST_ENV) $(PYTEST) $(WORKERS) $(NBVAL) $(NOTEBOOKS) tests
 
 # Every notebook again with the CPU kernels forced down to SSE-level code (what an older or
 # smaller CPU runs): the stored outputs must hold on any CPU. tests.kernels first checks, in
@@ -69,7 +77,7 @@ test: lint
 LOW_KERNELS := ATEN_CPU_CAPABILITY=default MKL_ENABLE_INSTRUCTIONS=SSE4_2 ONEDNN_MAX_CPU_ISA=SSE41
 test-portable: $(STAMP)
 	$(LOW_KERNELS) $(PY) -m tests.kernels --expect low
-	$(LOW_KERNELS) $(TEST_ENV) $(PYTEST) $(NBVAL) notebooks
+	$(LOW_KERNELS) $(TEST_ENV) $(PYTEST) $(WORKERS) $(NBVAL) $(NOTEBOOKS)
 
 # The multi-rank tests on a busy machine: two CPU-bound processes run beside them.
 LOAD_TESTS := tests/test_launcher.py tests/test_preemption.py tests/test_pipeline.py \
