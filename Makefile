@@ -64,8 +64,8 @@ PYTEST := $(PY) -m pytest -p no:cacheprovider
 # The capstone, the longest lesson, goes first so that the workers finish together.
 JOBS ?= 2
 WORKERS := -n $(JOBS) --dist loadfile
-NOTEBOOKS := notebooks/18_capstone.ipynb \
-	$(filter-out notebooks/18_capstone.ipynb,$(sort $(wildcard notebooks/*.ipynb)))
+CAPSTONE := notebooks/18_capstone.ipynb
+NOTEBOOKS := $(CAPSTONE) $(filter-out $(CAPSTONE),$(sort $(wildcard notebooks/*.ipynb)))
 
 # The whole suite: package tests, exercise tests against solutions/, every notebook under nbval.
 test: lint

@@ -215,10 +215,10 @@ def check_config(index: dict, config: GPTConfig, where: Path) -> None:
     an older checkpoint lacks counts as its default, as `GPTConfig.from_dict` reads it)."""
     saved = GPTConfig.from_dict(index["model"])
     for f in fields(GPTConfig):
-        mine = getattr(config, f.name)
-        if getattr(saved, f.name) != mine:
+        mine, theirs = getattr(config, f.name), getattr(saved, f.name)
+        if theirs != mine:
             raise CheckpointError(
-                f"{where / INDEX}: field 'model.{f.name}' is {getattr(saved, f.name)!r} but the model "
+                f"{where / INDEX}: field 'model.{f.name}' is {theirs!r} but the model "
                 f"being loaded has {f.name}={mine!r}; build the model with the checkpoint's "
                 "config (checkpoint.read_config)"
             )

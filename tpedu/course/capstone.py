@@ -425,13 +425,7 @@ def check_capstone(workdir: str | Path, budget: Budget = BUDGET) -> list[Check]:
             out.append(
                 Check(name, True, check(work, budget) if check is _check_fit else check(work))
             )
-        except (
-            ValueError,
-            FileNotFoundError,
-            KeyError,
-            TypeError,
-            IndexError,
-        ) as e:
+        except (ValueError, FileNotFoundError, KeyError, TypeError, IndexError) as e:
             reason = str(e).splitlines()[0] if str(e) else type(e).__name__
             if isinstance(e, KeyError):
                 reason = f"missing field {e}"
