@@ -23,8 +23,13 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	@if [ ! -x $(PY) ]; then \
 		py="$(PYTHON)"; \
+		if [ -n "$$py" ] && ! "$$py" -c 'pass' >/dev/null 2>&1; then \
+			echo "make: PYTHON=$$py does not run (not installed, or a pyenv shim for a version" \
+				"that is not activated): give the interpreter's full path, e.g." \
+				"make PYTHON=$$HOME/.pyenv/versions/3.13.0/bin/python3.13 setup" >&2; exit 2; fi; \
 		if [ -z "$$py" ] || ! "$$py" -c '$(PY_OK)' 2>/dev/null; then \
-			echo "make: tpedu needs Python 3.11-3.14 and found $${py:-none on PATH}: install one," \
+			found=$${py:+$$py, which is $$("$$py" --version 2>&1)}; \
+			echo "make: tpedu needs Python 3.11-3.14 and found $${found:-none on PATH}: install one," \
 				"or run make PYTHON=/path/to/python3.12 setup" >&2; exit 2; fi; \
 		echo "Setting up $(VENV) with $$py ($$("$$py" --version))"; \
 		"$$py" -m venv $(VENV); \

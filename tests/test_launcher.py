@@ -232,3 +232,49 @@ def test_a_process_group_that_never_forms_is_the_ranks_own_error(monkeypatch):
     monkeypatch.setattr(dist, "init_process_group", broken)
     with pytest.raises(RankError, match="no such backend here"):
         launch(rank_info, 2, 1.0)
+
+
+def build_after_rank_0_returned(what):
+    """Rank 0 returns at once; the others, a moment later, create a group of their own."""
+    from tpedu.model.config import GPTConfig
+    from tpedu.model.gpt import expert_parallel_moe
+    from tpedu.model.options import RunOptions
+    from tpedu.model.plan import _KINDS, param_kinds
+    from tpedu.moe.dense import DenseMoE
+    from tpedu.parallel.mesh import Layout, Mesh
+
+    mesh = Mesh(Layout(dp=dist.get_world_size()))  # collective: every rank, before rank 0 goes
+    if dist.get_rank() == 0:
+        return "returned"
+    time.sleep(1.0)
+    if what == "plan":
+        _KINDS.clear()  # built anew here, not found in a cache from before the fork
+        config = GPTConfig(vocab_size=64, seq_len=8, hidden=16, n_heads=2, n_layers=1)
+        return sorted(set(param_kinds(config).values()))
+    if what == "moe":
+        moe = expert_parallel_moe(DenseMoE(8, 16, experts=2), None, RunOptions())
+        return dist.get_world_size(moe.group)
+    return dist.get_world_size(mesh.ep_group)
+
+
+@pytest.mark.parametrize("what", ["plan", "moe", "mesh"])
+def test_a_rank_that_returns_first_does_not_break_the_others_groups(what):
+    """A group of one rank still registers through the job's store, which rank 0's process
+    hosts: the launcher keeps rank 0 (and so the store) until every rank has returned."""
+    out = launch(build_after_rank_0_returned, 4, what, timeout=60)
+    assert out[0] == "returned"
+    expected = ["column", "qkv", "replicated", "row", "vocab"] if what == "plan" else 1
+    assert out[1:] == [expected] * 3
+
+
+def rank_0_fails_after_the_others_return():
+    if dist.get_rank() == 0:
+        time.sleep(0.5)
+        raise ValueError("rank 0 failed last")
+    return "done"
+
+
+def test_rank_0_failing_after_the_others_returned_is_its_own_error():
+    with pytest.raises(RankError) as info:
+        launch(rank_0_fails_after_the_others_return, 3, timeout=30)
+    assert info.value.rank == 0 and "rank 0 failed last" in str(info.value)

@@ -14,6 +14,13 @@ starting ranks misbehave in a Jupyter kernel; each rule below answers one measur
   several threads after the parent ran threaded work can hang forever. One thread each is also
   faster on a small machine (no oversubscription).
 - a fresh free port per launch, so cells re-run back to back never collide.
+- rank 0 hosts the job's store (the TCPStore every rank meets through, as torch's
+  `tcp://` init does), so rank 0 leaves last: ranks finish at different times (a pipeline's
+  last stage, an expert rank with fewer tokens), and a rank still creating a group, even a
+  group of itself alone, registers it through the store. Under torchrun the agent hosts the
+  store and outlives every rank already. When rank 0 fails, it does not wait: the store goes
+  with it, the other ranks fail at their next collective or group, and the launcher reports
+  rank 0's error as the original, theirs as its consequences.
 - each rank's stdout is captured to a file and printed grouped by rank, in rank order, so notebook
   outputs are deterministic.
 - the process-group timeout is short; a rank that raises, dies or hangs is detected, every rank
@@ -536,13 +543,11 @@ def _rank_main(job: _Job, rank: int, port: int, *, conn: Connection, outdir: str
                     "Restart the kernel and let only the ranks touch CUDA."
                 )
             torch.cuda.set_device(rank)
+        timeout = datetime.timedelta(seconds=job.collective_timeout)
         try:
+            store = dist.TCPStore("127.0.0.1", port, world_size, rank == 0, timeout=timeout)
             dist.init_process_group(
-                backend,
-                init_method=f"tcp://127.0.0.1:{port}",
-                rank=rank,
-                world_size=world_size,
-                timeout=datetime.timedelta(seconds=job.collective_timeout),
+                backend, store=store, rank=rank, world_size=world_size, timeout=timeout
             )
         except Exception as e:  # the parent may retry on another port
             info = (type(e).__name__, str(e), traceback.format_exc(), time.time())
@@ -550,6 +555,7 @@ def _rank_main(job: _Job, rank: int, port: int, *, conn: Connection, outdir: str
         result = job.fn(*job.args, **job.kwargs)
         if backend == "nccl":
             torch.cuda.synchronize()
+        _leave_after_the_others(store, rank, world_size)
         dist.destroy_process_group()
         message = ("ok", result)
     except Stopped as e:  # on purpose, every rank agreeing: the exception itself goes back
@@ -557,6 +563,16 @@ def _rank_main(job: _Job, rank: int, port: int, *, conn: Connection, outdir: str
     except BaseException as e:  # every failure must reach the parent
         message = ("error", (type(e).__name__, str(e), traceback.format_exc(), time.time()))
     _report(conn, message, rank)
+
+
+def _leave_after_the_others(store: dist.TCPStore, rank: int, world_size: int) -> None:
+    """Each rank says it has finished; rank 0, whose process hosts the store, waits for all of
+    them, so no rank finds the store gone. No time limit here: a rank that never finishes is
+    the launcher's to detect, and it kills rank 0 with the rest."""
+    store.set(f"tpedu/finished/{rank}", "")
+    keys = [f"tpedu/finished/{r}" for r in range(world_size)]
+    while rank == 0 and not store.check(keys):
+        time.sleep(0.005)
 
 
 def _report(conn: Connection, message: tuple, rank: int) -> None:

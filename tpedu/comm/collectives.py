@@ -63,7 +63,12 @@ def own_group(name: str) -> dist.ProcessGroup:
 def this_rank_alone() -> Iterator[dist.ProcessGroup]:
     """A process group of this process only, to build a model's structure without talking to
     anyone: in a launched rank, a group of just this rank (created by it alone, no collective);
-    elsewhere, a one-rank gloo world for the block, torn down after."""
+    elsewhere, a one-rank gloo world for the block, torn down after.
+
+    A group, not None: the TP modules read their group's size and rank, so a structure built
+    from them is the one that trains. Creating it still registers the group through the job's
+    store, so the store must outlive every rank (tpedu.launcher keeps rank 0, its host, until
+    all have returned; under torchrun the agent hosts it)."""
     if dist.is_initialized():
         yield dist.new_group([dist.get_rank()], use_local_synchronization=True)
         return

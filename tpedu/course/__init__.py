@@ -13,6 +13,11 @@
     figures_precision  bf16 training: why the master weights stay fp32, measured (lesson 00)
     troubleshoot    gradient comparison between layouts, debug settings, numerics (lesson 16)
     capstone        the capstone's budget, and its checks on the files a run leaves (lesson 18)
+    style           the figures' fonts: the novel's Chinese text drawn, not boxes (every lesson)
 
 Tests never import exercises/ or solutions/ directly: they call `grading.implementation(name)`.
 """
+
+from tpedu.course.style import use_course_style
+
+use_course_style()
