@@ -278,3 +278,21 @@ def test_rank_0_failing_after_the_others_returned_is_its_own_error():
     with pytest.raises(RankError) as info:
         launch(rank_0_fails_after_the_others_return, 3, timeout=30)
     assert info.value.rank == 0 and "rank 0 failed last" in str(info.value)
+
+
+def rank_1_times_out_after_rank_0_returned():
+    if dist.get_rank() == 1:
+        time.sleep(0.3)
+        raise TimeoutError("pipeline stage 1 timed out waiting for an activation")
+    return "done"
+
+
+def test_a_rank_that_fails_after_rank_0_returned_is_reported_at_once():
+    """Rank 0 hosts the store until the others finish, but its result is already in: another
+    rank's error, even one that reads like a consequence (a timeout), is the job's error,
+    raised at once, not a hang."""
+    start = time.monotonic()
+    with pytest.raises(RankError) as info:
+        launch(rank_1_times_out_after_rank_0_returned, 2, timeout=60)
+    assert info.value.rank == 1 and "pipeline stage 1 timed out" in str(info.value)
+    assert time.monotonic() - start < 30

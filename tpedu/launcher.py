@@ -15,9 +15,10 @@ starting ranks misbehave in a Jupyter kernel; each rule below answers one measur
   faster on a small machine (no oversubscription).
 - a fresh free port per launch, so cells re-run back to back never collide.
 - rank 0 hosts the job's store (the TCPStore every rank meets through, as torch's
-  `tcp://` init does), so rank 0 leaves last: ranks finish at different times (a pipeline's
-  last stage, an expert rank with fewer tokens), and a rank still creating a group, even a
-  group of itself alone, registers it through the store. Under torchrun the agent hosts the
+  `tcp://` init does), so rank 0's process leaves last (its result is sent back as soon as it
+  has one): ranks finish at different times (a pipeline's last stage, an expert rank with
+  fewer tokens), and a rank still creating a group, even a group of itself alone, registers
+  it through the store. Under torchrun the agent hosts the
   store and outlives every rank already. When rank 0 fails, it does not wait: the store goes
   with it, the other ranks fail at their next collective or group, and the launcher reports
   rank 0's error as the original, theirs as its consequences.
@@ -552,10 +553,11 @@ def _rank_main(job: _Job, rank: int, port: int, *, conn: Connection, outdir: str
         except Exception as e:  # the parent may retry on another port
             info = (type(e).__name__, str(e), traceback.format_exc(), time.time())
             _report(conn, ("init", info), rank)
+            _exit()
         result = job.fn(*job.args, **job.kwargs)
         if backend == "nccl":
             torch.cuda.synchronize()
-        _leave_after_the_others(store, rank, world_size)
+        store.set(f"tpedu/finished/{rank}", "")
         dist.destroy_process_group()
         message = ("ok", result)
     except Stopped as e:  # on purpose, every rank agreeing: the exception itself goes back
@@ -563,20 +565,23 @@ def _rank_main(job: _Job, rank: int, port: int, *, conn: Connection, outdir: str
     except BaseException as e:  # every failure must reach the parent
         message = ("error", (type(e).__name__, str(e), traceback.format_exc(), time.time()))
     _report(conn, message, rank)
+    if rank == 0 and message[0] == "ok":
+        _host_the_store_until_all_finished(store, world_size)
+    _exit()
 
 
-def _leave_after_the_others(store: dist.TCPStore, rank: int, world_size: int) -> None:
-    """Each rank says it has finished; rank 0, whose process hosts the store, waits for all of
-    them, so no rank finds the store gone. No time limit here: a rank that never finishes is
-    the launcher's to detect, and it kills rank 0 with the rest."""
-    store.set(f"tpedu/finished/{rank}", "")
+def _host_the_store_until_all_finished(store: dist.TCPStore, world_size: int) -> None:
+    """Rank 0, its result already sent (so the parent can see another rank's failure as the
+    failure it is), keeps its process, and with it the store, until every rank has said it
+    finished. No time limit here: a rank that never finishes is the launcher's to detect, and
+    it kills rank 0 with the rest."""
     keys = [f"tpedu/finished/{r}" for r in range(world_size)]
-    while rank == 0 and not store.check(keys):
+    while not store.check(keys):
         time.sleep(0.005)
 
 
 def _report(conn: Connection, message: tuple, rank: int) -> None:
-    """Send (status, payload) to the parent and end this rank's process."""
+    """Send (status, payload) to the parent."""
     sys.stdout.flush()
     sys.stderr.flush()
     try:
@@ -586,6 +591,11 @@ def _report(conn: Connection, message: tuple, rank: int) -> None:
         data = pickle.dumps(("error", ("PicklingError", text, "", time.time())))
     conn.send_bytes(data)
     conn.close()
-    # Skip interpreter teardown: atexit hooks inherited from the parent (Jupyter, pytest) must
-    # not run in a forked child.
+
+
+def _exit() -> None:
+    """End this rank's process, skipping interpreter teardown: atexit hooks inherited from the
+    parent (Jupyter, pytest) must not run in a forked child."""
+    sys.stdout.flush()
+    sys.stderr.flush()
     os._exit(0)

@@ -12,6 +12,7 @@ Importing `tpedu.course` applies it, so every lesson's figures have it.
 from __future__ import annotations
 
 import importlib.util
+import logging
 from pathlib import Path
 
 import matplotlib
@@ -37,4 +38,11 @@ def use_course_style() -> None:
     glyph only along font.family's list; a generic name resolves to its first font alone."""
     if CJK_FAMILY not in {f.name for f in font_manager.fontManager.ttflist}:
         font_manager.fontManager.addfont(str(cjk_font_file()))
+        logging.getLogger("matplotlib.font_manager").addFilter(_regular_weight_only)
     matplotlib.rcParams["font.family"] = [LATIN_FAMILY, CJK_FAMILY]
+
+
+def _regular_weight_only(record: logging.LogRecord) -> bool:
+    """Only the Regular weight ships, so bold Chinese is drawn regular: matplotlib says so for
+    every bold title ("Failed to find font weight bold for Noto Sans CJK SC"), which is noise."""
+    return not (CJK_FAMILY in record.getMessage() and "font weight" in record.getMessage())
