@@ -153,3 +153,15 @@ def test_context_benchmark_tiny(capsys):
     bench.what_if()
     out = capsys.readouterr().out
     assert "TP 2 x CP 4" in out and "TP 8 + SP" in out
+
+
+def test_clock_row_tiny():
+    """bench_clock's code path at pp 2: a replayed step beside the measured one, the replay's
+    bubble, the per-call recording cost and the H100 pricing (no figure is asserted)."""
+    bench = _bench("bench_clock")
+    row = bench.run_layout(_bench("harness").TINY, Layout(1, 2, 1), reps=1, micro=2)
+    assert row["micro"] == 2 and row["calls"] >= 2 * 2  # a send and a receive per micro-batch
+    for key in ("plain", "measured", "replayed", "ratio", "per_call"):
+        assert math.isfinite(row[key]) and row[key] > 0, key
+    assert 0 < row["here"].bubble < 1 and 0 < row["priced"].step < row["here"].step
+    assert "1x2x1" in bench.table([row])

@@ -1,8 +1,9 @@
 """Lesson 02: thin, traced wrappers over `torch.distributed` collectives.
 
 Every tensor-parallel module in tpedu communicates through these functions, so a `CommTracer`
-sees every byte. Each takes an optional process `group` (default: all ranks). Groups can be
-given readable names with `name_group(group, "tp")`; the tracer reports them by name.
+sees every byte, and a rank clock (`tpedu.comm.recorder`, lesson 11) every call's place in time.
+Each takes an optional process `group` (default: all ranks). Groups can be given readable names
+with `name_group(group, "tp")`; the tracer reports them by name.
 
 The gathering and scattering wrappers work along any dimension (tensor parallelism gathers the
 last, sequence parallelism the sequence dimension); the dimension's size on every rank must be
@@ -20,7 +21,7 @@ from collections.abc import Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from tpedu.comm import tracer
+from tpedu.comm import recorder, tracer
 
 _group_names: dict[int, str] = {}
 
@@ -80,8 +81,12 @@ def this_rank_alone() -> Iterator[dist.ProcessGroup]:
         dist.destroy_process_group()
 
 
-def _trace(op: str, x: torch.Tensor, group: dist.ProcessGroup | None, numel: int) -> None:
+def _trace(
+    op: str, x: torch.Tensor, group: dist.ProcessGroup | None, numel: int, peer: int | None = None
+) -> None:
     tracer.record(op, group_name(group), dist.get_world_size(group), numel, x.element_size())
+    if recorder.on():  # lesson 11: the rank's timeline
+        recorder.note(op, group, group_name(group), numel * x.element_size(), peer)
 
 
 class CompletedWork:
@@ -94,6 +99,7 @@ class CompletedWork:
         return True
 
 
+@recorder.timed
 def all_reduce(
     x: torch.Tensor,
     group: dist.ProcessGroup | None = None,
@@ -114,6 +120,7 @@ def all_reduce(
     return x.copy_(buf)
 
 
+@recorder.timed
 def all_gather(
     x: torch.Tensor, group: dist.ProcessGroup | None = None, dim: int = -1
 ) -> torch.Tensor:
@@ -130,6 +137,7 @@ def all_gather(
     return torch.cat(out.chunk(t, dim=0), dim=dim)
 
 
+@recorder.timed
 def reduce_scatter(
     x: torch.Tensor, group: dist.ProcessGroup | None = None, dim: int = -1
 ) -> torch.Tensor:
@@ -150,6 +158,7 @@ def reduce_scatter(
     return out
 
 
+@recorder.timed
 def all_gather_into(
     out: torch.Tensor,
     x: torch.Tensor,
@@ -166,6 +175,7 @@ def all_gather_into(
     return work if async_op else CompletedWork()
 
 
+@recorder.timed
 def reduce_scatter_into(
     out: torch.Tensor,
     x: torch.Tensor,
@@ -182,6 +192,7 @@ def reduce_scatter_into(
     return work if async_op else CompletedWork()
 
 
+@recorder.timed
 def broadcast(x: torch.Tensor, src: int, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Copy global rank `src`'s `x` to every rank of the group, in place."""
     _trace("broadcast", x, group, x.numel())
@@ -189,6 +200,7 @@ def broadcast(x: torch.Tensor, src: int, group: dist.ProcessGroup | None = None)
     return x
 
 
+@recorder.timed
 def all_to_all(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Split `x` into t chunks along dim 0; chunk j goes to rank j; returns the received chunks."""
     t = dist.get_world_size(group)
@@ -203,6 +215,7 @@ def all_to_all(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch
     return out
 
 
+@recorder.timed
 def all_to_all_variable(
     x: torch.Tensor,
     send_counts: Sequence[int],
@@ -244,26 +257,30 @@ def all_to_all_variable(
     return out
 
 
+@recorder.timed
 def send(x: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None) -> None:
     """Blocking point-to-point send of `x` to global rank `dst`."""
-    _trace("send", x, group, x.numel())
+    _trace("send", x, group, x.numel(), dst)
     dist.send(x.contiguous(), dst=dst, group=group)
 
 
+@recorder.timed
 def recv(x: torch.Tensor, src: int, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Blocking receive into `x` from global rank `src`; returns `x`."""
-    _trace("recv", x, group, x.numel())
+    _trace("recv", x, group, x.numel(), src)
     dist.recv(x, src=src, group=group)
     return x
 
 
+@recorder.timed
 def isend(x: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None) -> dist.Work:
     """Non-blocking send; call `.wait()` on the result before reusing `x`."""
-    _trace("send", x, group, x.numel())
+    _trace("send", x, group, x.numel(), dst)
     return dist.isend(x, dst=dst, group=group)
 
 
+@recorder.timed
 def irecv(x: torch.Tensor, src: int, group: dist.ProcessGroup | None = None) -> dist.Work:
     """Non-blocking receive into `x`; call `.wait()` before reading it."""
-    _trace("recv", x, group, x.numel())
+    _trace("recv", x, group, x.numel(), src)
     return dist.irecv(x, src=src, group=group)

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tpedu.comm import collectives
+from tpedu.comm import collectives, recorder
 
 _events: list[list[str]] = []
 
@@ -87,9 +87,10 @@ class LinearWithAsyncGradAllreduce(torch.autograd.Function):
             grad_x = grad.matmul(weight)  # [..., in]: this rank's share of dL/dx
             work = collectives.all_reduce(grad_x, ctx.group, async_op=True)
             _log("all_reduce issued")
-        g2, x2 = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
-        grad_w = g2.t().matmul(x2) if ctx.needs_input_grad[1] else None  # while the wire works
-        grad_b = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        with recorder.label("weight grad"):  # the rank clock's span beside the all-reduce
+            g2, x2 = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
+            grad_w = g2.t().matmul(x2) if ctx.needs_input_grad[1] else None  # while it runs
+            grad_b = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         _log("weight grad")
         if work is not None:
             work.wait()

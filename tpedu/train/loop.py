@@ -21,6 +21,7 @@ import torch._dynamo  # the optimizers import it (≈3-5 s): once here, not per 
 import torch.distributed as dist
 from tqdm import tqdm
 
+from tpedu.comm import cost_model, recorder
 from tpedu.comm.device import device
 from tpedu.model.config import GPTConfig
 from tpedu.model.dense import DenseGPT
@@ -73,6 +74,7 @@ def train(
     out: str | None = None,
     tok: object | None = None,
     parallel: ParallelConfig | None = None,
+    trace: bool = False,
 ) -> dict:
     """Train on every rank of the world as `parallel` says (None: tensor parallelism over the
     whole world); return a summary dict (the same on every rank). The same losses as one
@@ -86,6 +88,9 @@ def train(
     replace the DP all-reduces and the parameters are all-gathered (tpedu.parallel.zero).
     Dropout masks depend on a tensor's batch position, so with dropout > 0 micro-batching
     changes them: the step-by-step match with one process holds for dropout = 0.
+    With `trace`, every rank records its training steps (tpedu.comm.recorder), and rank 0's
+    summary gets "clock": every rank's log and the loopback link fitted here, which
+    `tpedu train --trace FILE` writes as a Chrome trace (tpedu.analysis.clock.trace).
     """
     parallel = parallel or ParallelConfig(tp=dist.get_world_size())
     if parallel.world != dist.get_world_size():
@@ -100,9 +105,14 @@ def train(
     step = build_step(chunks, mesh, parallel, cfg)
     first = resume_from(cfg, chunks, step.opt, step.scaler)  # 0 unless cfg.resume
 
+    rec = recorder.Recorder(recorder.run_id()) if trace else None
+
     def one_step(k: int) -> tuple[float, float]:
-        res, norm = step(*step.batch(train_ids, k, cfg.seed), k)
-        return replica_mean(res.loss, mesh), norm.item()
+        with rec or contextlib.nullcontext():  # recording: the steps only, not evaluation
+            if rec:
+                rec.mark(f"step {k}")
+            res, norm = step(*step.batch(train_ids, k, cfg.seed), k)
+            return replica_mean(res.loss, mesh), norm.item()
 
     losses, history, seconds = run_loop(
         cfg,
@@ -115,11 +125,24 @@ def train(
         ),
     )
     summary = _summary(config, parallel, cfg, step, losses, history, seconds)
+    if rec is not None:
+        logs, link = recorder.gather(rec.log), loopback_link()
+        if dist.get_rank() == 0:
+            summary["clock"] = {"logs": logs, "link": link}
     if out is not None:
         with step.opt.gathered() if parallel.zero else contextlib.nullcontext():
             state = gather_pipeline_state(chunks, mesh, parallel.stage_split)
         write_dense(state, config, cfg, out, tok)
     return summary
+
+
+def loopback_link() -> cost_model.AlphaBeta:
+    """α-β of this machine's link, fitted on every rank as `tpedu commbench` does (all-reduce,
+    all-gather, reduce-scatter of 4 KB, 64 KB, 1 MB). Collective."""
+    samples = []
+    for op in ("all_reduce", "all_gather", "reduce_scatter"):
+        samples += cost_model.measure(op, [4096, 65536, 1 << 20])
+    return cost_model.fit(samples)
 
 
 def check_saving(parallel: ParallelConfig, out: str | None) -> None:

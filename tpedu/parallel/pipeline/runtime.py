@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tpedu.comm import collectives
+from tpedu.comm import collectives, recorder
 from tpedu.model.gpt import TPGPT
 from tpedu.model.options import RunOptions
 from tpedu.parallel.pipeline.schedules import Action, Event, action_parts, stage_layers
@@ -165,7 +165,8 @@ def run_schedule(
                 )
                 x.requires_grad_(torch.is_grad_enabled())
             t = clock()
-            out = chunks[c](x, targets[mb] if vs == last_vs else None, step=step)
+            with recorder.label(f"F{mb}" if len(chunks) == 1 else f"F{mb}.{c}"):  # rank clocks
+                out = chunks[c](x, targets[mb] if vs == last_vs else None, step=step)
             events.append(Event(s, "F", mb, c, t, clock()))
             if vs == last_vs:
                 out = out / n_micro
@@ -192,7 +193,10 @@ def run_schedule(
             t = clock()
             if vs == last_vs and loss_scale != 1.0:
                 out = out * loss_scale
-            with nullcontext() if sync else no_sync():
+            with (
+                nullcontext() if sync else no_sync(),
+                recorder.label(f"B{mb}" if len(chunks) == 1 else f"B{mb}.{c}"),
+            ):
                 torch.autograd.backward(out, grad)
             events.append(Event(s, "B", mb, c, t, clock()))
             if vs > 0:

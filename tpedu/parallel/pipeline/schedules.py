@@ -116,9 +116,11 @@ def gpipe(n_micro: int, n_stages: int, stage: int) -> list[Action]:
 def one_f_one_b(n_micro: int, n_stages: int, stage: int) -> list[Action]:
     """1F1B (PipeDream-flush): warm-up forwards, alternate one forward / one backward, cool-down.
 
-    Stage s runs w = min(p-1-s, m) warm-up forwards, then for each remaining micro-batch a
-    forward followed by the backward of the oldest one in flight, then the last w backwards.
-    At most p-s activations are in flight on stage s (GPipe keeps m).
+    Every micro-batch runs forward, later backward, both in micro-batch order. Stage s runs a
+    forward while fewer than p-s micro-batches are in flight on it (forwarded, not yet
+    backwarded) and one remains, else the backward of the oldest: at most p-s activations are
+    in flight on stage s (GPipe keeps m), and the last stage runs each backward right after
+    its forward.
     """
     _check(n_micro, n_stages, stage)
     warm = min(n_stages - 1 - stage, n_micro)
