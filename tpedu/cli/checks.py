@@ -123,6 +123,13 @@ def check_args(args: argparse.Namespace) -> None:
             check_out(args.out)
         if args.json is not None:
             _check_json(args.json)
+        if args.trace is not None:
+            from tpedu.analysis.clock.trace import check_path
+
+            try:
+                check_path(args.trace)
+            except ValueError as e:
+                fail(f"--{e}")
     elif args.command == "generate":
         if args.top_k < 1:
             fail(
@@ -234,6 +241,11 @@ def check_layout(args: argparse.Namespace, n_layers: int) -> None:
         schedule(args.schedule, m, args.pp, 0, args.chunks)
     except ValueError as e:
         fail(f"--schedule {args.schedule} --chunks {args.chunks}: {e}")
+    if args.tp_overlap == "chunks" and (per_replica // m) % args.tp_chunks:
+        fail(
+            f"--tp-chunks {args.tp_chunks} does not divide the micro-batch of {per_replica // m} "
+            f"sequences (batch / dp / micro-batches); choose a divisor of {per_replica // m}"
+        )
 
 
 def read_resume(args: argparse.Namespace) -> GPTConfig | None:
@@ -279,6 +291,8 @@ def parallel_config(args: argparse.Namespace) -> ParallelConfig:
             cp_strategy=args.cp_strategy,
             cp_layout=args.cp_layout,
             ep=args.ep,
+            tp_overlap=args.tp_overlap,
+            tp_chunks=args.tp_chunks,
         )
     except ValueError as e:
         fail(str(e))

@@ -213,9 +213,15 @@ def _train(args: argparse.Namespace) -> int:
         timeout=None,
         collective_timeout=args.timeout,
         stream=True,
+        trace=args.trace is not None,
     )
     if int(os.environ.get("RANK", "0")) == 0:
         summary = results[0]
+        if args.trace:  # lesson 11: measured and replayed, a core per rank (tpedu.analysis.clock)
+            from tpedu.analysis.clock.trace import write
+
+            clock = summary.pop("clock")
+            write(args.trace, clock["logs"], clock["link"], link_name="loopback, measured here")
         if args.json:
             Path(args.json).write_text(json.dumps(summary, indent=2))
         print(json.dumps({k: v for k, v in summary.items() if k != "losses"}, indent=2))

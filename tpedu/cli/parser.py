@@ -13,7 +13,7 @@ from tpedu.cp.ring import LAYOUTS as CP_LAYOUTS
 from tpedu.data.tokenizer import KINDS as TOKENIZERS
 from tpedu.launcher import BACKENDS
 from tpedu.model.config import RECOMPUTE
-from tpedu.model.options import CP_STRATEGIES
+from tpedu.model.options import CP_STRATEGIES, TP_OVERLAPS
 from tpedu.parallel.config import SCHEDULES, STAGE_SPLITS, ZERO_LEVELS
 from tpedu.train.config import REDUCE_DTYPES
 from tpedu.train.precision import DTYPES
@@ -142,6 +142,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tr.add_argument("--out", default=None, help="directory to save the trained model in")
     tr.add_argument("--json", default=None, help="also write the full summary (all losses) here")
+    tr.add_argument(
+        "--trace",
+        default=None,
+        metavar="FILE",
+        help="record every rank's steps and write them, measured and replayed with a core per "
+        "rank, as a Chrome trace / Perfetto JSON file (tpedu.analysis.clock)",
+    )
     _layout_flags(tr)
     tr.add_argument("--ckpt-dir", default=None, help="write sharded checkpoints here (lesson 14)")
     tr.add_argument(
@@ -217,7 +224,7 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
         "--experts",
         type=int,
         default=0,
-        help="a mixture of experts in the MLPs: this many experts each (lesson 19; 0: dense)",
+        help="a mixture of experts in the MLPs: this many experts each (lesson 18; 0: dense)",
     )
     p.add_argument(
         "--ffn", type=int, default=None, help="the MLP's hidden width (default 4·hidden)"
@@ -254,7 +261,7 @@ def _layout_flags(p: argparse.ArgumentParser) -> None:
         type=int,
         default=1,
         help="expert-parallel ranks carved from the --dp ranks: the experts split over them "
-        "(lesson 19)",
+        "(lesson 18)",
     )
     p.add_argument(
         "--micro-batches",
@@ -304,6 +311,24 @@ def _layout_flags(p: argparse.ArgumentParser) -> None:
         "--overlap-comm",
         action="store_true",
         help="overlap each f's backward all-reduce with dL/dW (lesson 15; same result)",
+    )
+    _tp_overlap_flags(p)
+
+
+def _tp_overlap_flags(p: argparse.ArgumentParser) -> None:
+    """Hiding TP's communication under compute (lesson 15), beside --overlap-comm."""
+    p.add_argument(
+        "--tp-overlap",
+        choices=TP_OVERLAPS,
+        default="none",
+        help="hide TP's communication (lesson 15): chunks (batch chunks, one's all-reduce "
+        "under the next's compute) or ring (collective matmul; needs --sequence-parallel)",
+    )
+    p.add_argument(
+        "--tp-chunks",
+        type=int,
+        default=2,
+        help="batch chunks per micro-batch with --tp-overlap chunks (must divide it)",
     )
 
 

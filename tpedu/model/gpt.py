@@ -20,6 +20,10 @@ TP regions every rank keeps only its s/t positions; each all-reduce becomes a re
 sums the gradients of the replicated parameters that saw only a sequence shard. `recompute`
 (lesson 10): "selective" recomputes the attention core in backward, "full" the whole block from
 its input. `overlap_comm` (lesson 15): f's backward all-reduce runs while dL/dW is computed.
+`tp_overlap` (lesson 15): "chunks" runs each block as `tp_chunks` batch chunks, one chunk's
+all-reduce on the wire while the next computes (tpedu.tp.chunked); "ring" (with sequence
+parallelism) does every block's and the head's all-gather and reduce-scatter as ring steps
+under their matmuls (tpedu.tp.collective_matmul).
 `cp_group` (context parallelism, tpedu.cp): each CP rank feeds its positions of the sequence
 (`cp_layout`: zig-zag or contiguous, `tpedu.cp.ring.split_sequence`), learned positions and
 RoPE use the global positions, attention is ring or Ulysses attention (`cp_strategy`) over the
@@ -55,6 +59,12 @@ from tpedu.model.state import merge_shards, shard_map
 from tpedu.moe.dense import DenseMoE
 from tpedu.moe.expert_parallel import ExpertParallelMoE, is_expert_parameter
 from tpedu.tp.attention import ParallelAttention
+from tpedu.tp.chunked import chunked_block
+from tpedu.tp.collective_matmul import (
+    ring_all_gather_linear,
+    ring_attention_forward,
+    ring_mlp_forward,
+)
 from tpedu.tp.dropout import derive_seed, index_dropout
 from tpedu.tp.embedding import ReplicatedEmbedding, VocabParallelEmbedding
 from tpedu.tp.kv_cache import KVCache, LayerCache, check_cache_usable
@@ -108,6 +118,15 @@ def all_reduce_context_parallel_grads(
 CP_ATTENTION = {"ring": ring_attention, "ulysses": ulysses_attention}  # RunOptions.cp_strategy
 
 
+def check_cp_overlap(tp_overlap: str) -> None:
+    """Raise a ValueError: a tp_overlap is not built for context parallelism."""
+    if tp_overlap != "none":
+        raise ValueError(
+            f"tp_overlap {tp_overlap!r} with context parallelism is not built; use "
+            "--tp-overlap none with --cp"
+        )
+
+
 def check_context_parallel(
     config: GPTConfig, sequence_parallel: bool, strategy: str, tp: int, cp: int
 ) -> None:
@@ -124,8 +143,13 @@ def check_context_parallel(
         check_ulysses_heads(config.n_heads // tp, max(1, config.kv_heads // tp), cp)
 
 
-def check_moe_options(sequence_parallel: bool) -> None:
+def check_moe_options(sequence_parallel: bool, tp_overlap: str = "none") -> None:
     """Raise a ValueError if a model with experts cannot run so."""
+    if tp_overlap == "chunks":
+        raise ValueError(
+            "tp_overlap 'chunks' with a mixture of experts is not built: the chunked block "
+            "splits a dense MLP's all-reduces; use --tp-overlap none with --experts"
+        )
     if sequence_parallel:
         raise ValueError(
             "sequence parallelism with a mixture of experts is not built: each expert, split "
@@ -138,7 +162,7 @@ def expert_parallel_moe(
 ) -> ExpertParallelMoE:
     """A block's mixture of experts: experts split over options.ep_group (None: a group of
     this rank alone, every expert here) and each expert over the TP `group`."""
-    check_moe_options(options.sequence_parallel)
+    check_moe_options(options.sequence_parallel, options.tp_overlap)
     ep_group = options.ep_group if options.ep_group is not None else collectives.own_group("ep")
     return ExpertParallelMoE.from_dense(dense, ep_group, tp_group=group)
 
@@ -160,6 +184,8 @@ class TPBlock(nn.Module):
         self.seed, self.p, self.group = dense.seed, dense.p, group
         sequence_parallel, self.recompute = options.sequence_parallel, options.recompute
         self.sequence_parallel = sequence_parallel
+        # lesson 15: "chunks" (tpedu.tp.chunked) or "ring" (tpedu.tp.collective_matmul)
+        self.tp_overlap, self.tp_chunks = options.tp_overlap, options.tp_chunks
         # Replicated: the same on every rank (copies: the TP model must not share the dense one's).
         self.norm1, self.norm2 = copy.deepcopy(dense.norm1), copy.deepcopy(dense.norm2)
         cp = options.cp > 1
@@ -212,8 +238,20 @@ class TPBlock(nn.Module):
         positions: torch.Tensor | None = None,
         cache: LayerCache | None = None,
     ) -> torch.Tensor:
-        a = self.attn(self.norm1(x), step, positions, cache)  # 1 all-reduce fwd, 1 bwd
         seed = derive_seed(self.seed, ATTENTION_OUTPUT_DROPOUT_SITE, step)
+        overlap = self.tp_overlap if cache is None and positions is None else "none"
+        if overlap == "chunks":  # the same all-reduces, chunk by chunk, async
+            return chunked_block(x, step, self.tp_chunks, self, seed)
+        if overlap == "ring":  # sequence parallel; each collective as ring steps under a matmul
+            x = x + sequence_dropout(
+                ring_attention_forward(self.attn, self.norm1(x), step),
+                self.p,
+                seed,
+                self.group,
+                self.training,
+            )
+            return x + ring_mlp_forward(self.mlp, self.norm2(x), step)
+        a = self.attn(self.norm1(x), step, positions, cache)  # 1 all-reduce fwd, 1 bwd
         if self.sequence_parallel:  # this rank's slice of the dense mask
             x = x + sequence_dropout(a, self.p, seed, self.group, self.training)
         else:
@@ -257,6 +295,7 @@ class TPGPT(nn.Module):
         self.cp_group = options.cp_group if self.cp > 1 else None
         if self.cp > 1:
             check_context_parallel(config, sequence_parallel, options.cp_strategy, self.tp, self.cp)
+            check_cp_overlap(options.tp_overlap)
         layers = range(config.n_layers) if layers is None else layers
         if not (0 <= layers.start <= layers.stop <= config.n_layers and layers.step == 1):
             raise ValueError(
@@ -353,8 +392,11 @@ class TPGPT(nn.Module):
             return self._mean(losses, targets)
         # f: the head is column-parallel over the vocabulary, so dL/dh is all-reduced in backward
         # (SP: all-gathered along the sequence in forward, reduce-scattered in backward).
-        if sp:
-            logits = all_gather_linear(h, [head.weight], [None], self.group)[0]  # [b, s, Vp/t]
+        if sp:  # [b, s, Vp/t]
+            gather = (
+                ring_all_gather_linear if self.options.tp_overlap == "ring" else all_gather_linear
+            )
+            logits = gather(h, [head.weight], [None], self.group)[0]
         else:
             logits = column_parallel_linear(
                 h, head.weight, None, self.group, async_grad_all_reduce=self.options.overlap_comm

@@ -13,8 +13,13 @@ uses; the GPTConfig (what the model is) never holds any of it.
     cp_group            context parallelism (lesson 09): each rank of this group feeds its chunk
     cp_strategy         of the sequence ("zigzag" or "contiguous", `cp_layout`), attention is
     cp_layout           ring or Ulysses attention over the group (None: no CP)
-    ep_group            expert parallelism (lesson 19): the MoE layers' experts split over this
+    ep_group            expert parallelism (lesson 18): the MoE layers' experts split over this
                         group's ranks, tokens traded with all-to-all (None: every expert here)
+    tp_overlap          hide TP's communication (lesson 15): "none"; "chunks", each block run
+    tp_chunks           as tp_chunks batch chunks, one's all-reduce on the wire while the next
+                        computes (tpedu.tp.chunked); "ring", sequence parallelism's all-gather
+                        and reduce-scatter as ring steps under the matmuls
+                        (tpedu.tp.collective_matmul)
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from tpedu.cp.ring import LAYOUTS
 from tpedu.model.config import RECOMPUTE
 
 CP_STRATEGIES = ("ring", "ulysses")
+TP_OVERLAPS = ("none", "chunks", "ring")
 
 
 @dataclass(frozen=True)
@@ -40,17 +46,37 @@ class RunOptions:
     cp_strategy: str = "ring"
     cp_layout: str = "zigzag"
     ep_group: dist.ProcessGroup | None = None
+    tp_overlap: str = "none"
+    tp_chunks: int = 2
 
     def __post_init__(self) -> None:
         for name, choices in (
             ("recompute", RECOMPUTE),
             ("cp_strategy", CP_STRATEGIES),
             ("cp_layout", LAYOUTS),
+            ("tp_overlap", TP_OVERLAPS),
         ):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
+        check_tp_overlap(self.tp_overlap, self.tp_chunks, self.sequence_parallel)
 
     @property
     def cp(self) -> int:
         """Ranks of the CP group (1: no context parallelism)."""
         return dist.get_world_size(self.cp_group) if self.cp_group is not None else 1
+
+
+def check_tp_overlap(overlap: str, chunks: int, sequence_parallel: bool) -> None:
+    """Raise a ValueError (naming the fix) for a tp_overlap that cannot run so."""
+    if chunks < 1:
+        raise ValueError(f"tp_chunks must be at least 1, got {chunks}")
+    if overlap == "ring" and not sequence_parallel:
+        raise ValueError(
+            "tp_overlap 'ring' decomposes sequence parallelism's all-gather and reduce-scatter; "
+            "turn sequence parallelism on (--sequence-parallel) or use tp_overlap 'chunks'"
+        )
+    if overlap == "chunks" and sequence_parallel:
+        raise ValueError(
+            "tp_overlap 'chunks' splits the all-reduces of plain TP; with sequence parallelism "
+            "use tp_overlap 'ring' (or drop --sequence-parallel)"
+        )

@@ -20,6 +20,10 @@ under any other (lesson 14):
                         pp, dp (`Layout`)
     ep                  expert parallelism, carved from DP: each DP group's runs of ep ranks
                         hold different experts of every mixture-of-experts layer (tpedu.moe)
+    tp_overlap          hide TP's communication (lesson 15): "chunks" runs each block as
+    tp_chunks           tp_chunks batch chunks of a micro-batch (tpedu.tp.chunked), "ring" the
+                        sequence-parallel collectives as ring steps under the matmuls
+                        (tpedu.tp.collective_matmul)
 
 `model_options(mesh)` is what `TPGPT` takes of it, a `tpedu.model.options.RunOptions`: the model
 layer does not import this one.
@@ -31,8 +35,8 @@ from dataclasses import asdict, dataclass, fields
 
 from tpedu.cp.ring import LAYOUTS, check_cp_length
 from tpedu.model.config import RECOMPUTE, GPTConfig
-from tpedu.model.gpt import check_context_parallel, check_moe_options
-from tpedu.model.options import CP_STRATEGIES, RunOptions
+from tpedu.model.gpt import check_context_parallel, check_cp_overlap, check_moe_options
+from tpedu.model.options import CP_STRATEGIES, TP_OVERLAPS, RunOptions, check_tp_overlap
 from tpedu.moe.expert_parallel import check_experts_divide
 from tpedu.parallel.mesh import AXIS_NAMES, Layout, Mesh
 from tpedu.parallel.pipeline.schedules import partition, schedule
@@ -63,6 +67,8 @@ class ParallelConfig:
     cp_strategy: str = "ring"
     cp_layout: str = "zigzag"
     ep: int = 1
+    tp_overlap: str = "none"
+    tp_chunks: int = 2
 
     def __post_init__(self) -> None:
         _ = self.layout  # Layout refuses an axis that is not a positive integer
@@ -73,9 +79,11 @@ class ParallelConfig:
             ("zero", ZERO_LEVELS),
             ("cp_strategy", CP_STRATEGIES),
             ("cp_layout", LAYOUTS),
+            ("tp_overlap", TP_OVERLAPS),
         ):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
+        check_tp_overlap(self.tp_overlap, self.tp_chunks, self.sequence_parallel)
         if self.micro_batches is not None and self.micro_batches < 1:
             raise ValueError(f"micro_batches must be at least 1, got {self.micro_batches}")
         schedule(self.schedule, self.micro_batches or self.pp, self.pp, 0, self.chunks)
@@ -99,6 +107,8 @@ class ParallelConfig:
             cp_strategy=self.cp_strategy,
             cp_layout=self.cp_layout,
             ep_group=mesh.ep_group if mesh is not None and self.ep > 1 else None,
+            tp_overlap=self.tp_overlap,
+            tp_chunks=self.tp_chunks,
         )
 
     def check(self, config: GPTConfig) -> None:
@@ -112,8 +122,9 @@ class ParallelConfig:
             check_context_parallel(
                 config, self.sequence_parallel, self.cp_strategy, self.tp, self.cp
             )
+            check_cp_overlap(self.tp_overlap)
         if config.experts:
-            check_moe_options(self.sequence_parallel)
+            check_moe_options(self.sequence_parallel, self.tp_overlap)
         if self.ep > 1:
             check_expert_parallel(config, self)
 

@@ -74,6 +74,11 @@ def split_batch(batch: int, parallel: ParallelConfig) -> tuple[int, int]:
             f"the per-replica batch {b} (= batch / dp) is not divisible by "
             f"{m} micro-batches; choose a divisor of {b}"
         )
+    if parallel.tp_overlap == "chunks" and (b // m) % parallel.tp_chunks:
+        raise ValueError(
+            f"tp_chunks {parallel.tp_chunks} does not divide the micro-batch of {b // m} "
+            f"sequences (batch / dp / micro-batches); choose a divisor of {b // m}"
+        )
     return b, m
 
 
