@@ -1,8 +1,8 @@
 """Lesson 00 exercise: the memory ledger (显存账本).
 
-Fill in the three functions, then run `make grade`. The notebook 00_why_parallelism.ipynb uses
-each function through `pick("l00_memory_ledger")` once you have written it (the reference until
-then).
+Fill in the three functions, then run `make grade EX=l00`. The notebook
+00_why_parallelism.ipynb uses each function through `pick("l00_memory_ledger")` once you have
+written it (the reference until then).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Exercise l01: split one matmul Y = X·W by columns (列并行) and by rows (行并行).
 
 W is [in, out] (for an nn.Linear, W = weight.T). "Ranks" are list entries: no processes yet.
-Fill in each body, then run `make grade`.
+Fill in each body, then run `make grade EX=l01`.
 """
 
 from __future__ import annotations

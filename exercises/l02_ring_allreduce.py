@@ -7,7 +7,7 @@ The ring: t ranks of `group`, group-local rank r sends to (r+1) % t and receives
 send/recv take *global* ranks: translate with `dist.get_global_rank(group, r)` (group=None is the
 world group: local == global).
 
-    python -m tpedu.course.grading        # or: make grade
+    make grade EX=l02        # or: python -m tpedu.course.grading l02
 """
 
 from __future__ import annotations

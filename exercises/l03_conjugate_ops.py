@@ -8,7 +8,7 @@ Both are called as `CopyToTPRegion.apply(x, group)` (group None = all ranks). Co
 through `tpedu.comm.collectives` (C.all_reduce, in place) so the tracer sees your collectives, and
 never with `x.register_hook(...)`: lesson 03 shows why hooks give wrong gradients.
 
-    python -m tpedu.course.grading        # or: make grade
+    make grade EX=l03        # or: python -m tpedu.course.grading l03
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ Use the conjugate operators from lesson 03 (tpedu.tp.operators: copy_to_tp_regio
 reduce_from_tp_region, gather_from_tp_region) so backward is right and the tracer sees the
 communication; F.linear does the local matmul.
 
-    python -m tpedu.course.grading        # or: make grade
+    make grade EX=l04        # or: python -m tpedu.course.grading l04
 """
 
 from __future__ import annotations

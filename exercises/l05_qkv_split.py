@@ -13,7 +13,7 @@ Grouped-query attention (GQA): query head j uses KV head j // (nq/nkv).
   - tp <= nkv: KV heads are split like the q heads, rank r keeps [r·nkv/tp, (r+1)·nkv/tp).
   - tp > nkv: each rank keeps one KV head, a replica of the head its query heads use.
 
-Fill in both functions, then run `make grade`.
+Fill in both functions, then run `make grade EX=l05`.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ Communicate only through tpedu.comm.collectives (so the tests' tracer sees it):
     from tpedu.comm import collectives
     collectives.all_reduce(x, group, op=dist.ReduceOp.MAX)    # in place, returns x
 
-Fill in both functions, then run `make grade`. Only the forward is graded (your version need
+Fill in both functions, then run `make grade EX=l06`. Only the forward is graded (your version need
 not be differentiable).
 """
 

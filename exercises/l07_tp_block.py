@@ -19,7 +19,7 @@ index_dropout; tpedu.model.dense: ATTENTION_OUTPUT_DROPOUT_SITE). The attention 
 whole on every rank, so the dense mask applies to it as it is.
 
 Keep the attribute names norm1, norm2, attn, mlp, seed, p: the tests read the gradients through
-them. Fill in both methods, then run `make grade`.
+them. Fill in both methods, then run `make grade EX=l07`.
 """
 
 from __future__ import annotations

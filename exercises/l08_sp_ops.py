@@ -4,7 +4,7 @@ Activations are [b, s, H]; with t ranks in the group, rank r holds positions [rÂ
 of the sequence dimension (`dim`, default 1). Write each operator as a torch.autograd.Function
 (forward and backward conjugate) and return `YourFunction.apply(...)` from the function. Use
 tpedu.comm.collectives (all_gather, reduce_scatter, all_reduce: they take `dim`) so the tracer sees
-every byte. Then run `make grade`; notebooks/08_sequence_parallelism.ipynb uses them through
+every byte. Then run `make grade EX=l08`; notebooks/08_sequence_parallelism.ipynb uses them through
 `pick("l08_sp_ops")`.
 """
 

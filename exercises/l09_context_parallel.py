@@ -1,7 +1,7 @@
 """Lesson 09 exercise: the three pieces of ring attention.
 
-Fill in the functions, then run `make grade` (or
-`python -m tpedu.course.grading exercises l09_context_parallel`);
+Fill in the functions, then run `make grade EX=l09` (or
+`python -m tpedu.course.grading l09`);
 notebooks/09_context_parallelism.ipynb uses them through `pick("l09_context_parallel")`.
 All three work on one process: no ranks, no communication.
 """

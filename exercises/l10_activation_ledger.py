@@ -1,6 +1,6 @@
 """Lesson 10 exercise: the activation ledger (激活显存账本): a byte counter and the formula.
 
-Fill in both functions, then run `make grade`; notebooks/10_activation_memory.ipynb uses them
+Fill in both functions, then run `make grade EX=l10`; notebooks/10_activation_memory.ipynb uses them
 through `pick("l10_activation_ledger")`.
 """
 

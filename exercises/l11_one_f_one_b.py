@@ -1,6 +1,6 @@
 """Lesson 11 exercise: the 1F1B pipeline schedule.
 
-Run `make grade` (or `python -m tpedu.course.grading exercises l11_one_f_one_b`) to check your work.
+Run `make grade EX=l11` (or `python -m tpedu.course.grading l11`) to check your work.
 """
 
 from __future__ import annotations

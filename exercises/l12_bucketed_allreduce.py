@@ -1,6 +1,7 @@
 """Lesson 12 exercise: gradient buckets for data parallelism.
 
-Run `make grade` (or `python -m tpedu.course.grading exercises l12_bucketed_allreduce`) to check.
+Run `make grade EX=l12_bucketed_allreduce` (or
+`python -m tpedu.course.grading l12_bucketed_allreduce`) to check.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Lesson 12 exercise: the three pieces of ZeRO.
 
-Fill in the functions and the class, then run `make grade` (or
-`python -m tpedu.course.grading exercises l12_zero`); notebooks/12_data_parallelism.ipynb uses
+Fill in the functions and the class, then run `make grade EX=l12_zero` (or
+`python -m tpedu.course.grading l12_zero`); notebooks/12_data_parallelism.ipynb uses
 them through `pick("l12_zero")`. Communicate only through `tpedu.comm.collectives` (the tests
 count the calls with a CommTracer).
 """

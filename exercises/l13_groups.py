@@ -1,6 +1,6 @@
 """Lesson 13 exercise: the process groups of a 3D (tp, pp, dp) layout.
 
-Run `make grade` (or `python -m tpedu.course.grading exercises l13_groups`) to check your work.
+Run `make grade EX=l13` (or `python -m tpedu.course.grading l13`) to check your work.
 """
 
 from __future__ import annotations

@@ -13,8 +13,8 @@ tpedu/tp/attention.py):
                         tpedu.tp.attention.split_qkv / local_heads / qkv_rows. With GQA and
                         tp > nkv every rank keeps a replica of one KV head.
 
-Fill in the four functions, then run `make grade`. You may use tpedu.tp.attention (local_heads,
-qkv_rows, split_qkv) but not tpedu.model.state.
+Fill in the four functions, then run `make grade EX=l14`. You may use tpedu.tp.attention
+(local_heads, qkv_rows, split_qkv) but not tpedu.model.state.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Lesson 15 exercise: price a step's communication with the α-β model, and fit α and β.
 
-Run `make grade` (or `python -m tpedu.course.grading exercises l15_alpha_beta`) to check;
+Run `make grade EX=l15` (or `python -m tpedu.course.grading l15`) to check;
 notebooks/15_performance.ipynb uses these functions through `pick("l15_alpha_beta")` to fit α
 and β on this machine, predict one tensor-parallel step's communication, then measure it.
 No ranks and no communication here: plain arithmetic on numbers.

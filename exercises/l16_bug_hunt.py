@@ -10,8 +10,11 @@ suspect's header lists the names it reads from its module). A method stays a pla
 here: write its `self` or `ctx` argument as the suspect has it.
 
 `hunt.check(k, pick("l16_bug_hunt"))` runs case k again with your function in place of that
-suspect; the case is closed when the check passes where the broken run failed. `make grade` runs
-every case.
+suspect; the case is closed when the check passes where the broken run failed, also on runs the
+case never shows you (other shapes, layouts, seeds), and tpedu without the bug still passes with
+your function in place. Write the body yourself: while the check runs, tpedu's own version of the
+suspect is the broken one wherever it is called from, so a function that calls it (or returns it)
+stays open. `make grade` runs every case.
 
 Communicate only through tpedu.comm.collectives (so the tests' tracer sees it).
 """

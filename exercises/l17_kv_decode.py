@@ -1,7 +1,7 @@
 """Lesson 17 exercise: one decode step of attention against a KV cache sharded by heads.
 
-Fill in `decode_attention`, then run `make grade` (or
-`python -m tpedu.course.grading exercises l17_kv_decode`);
+Fill in `decode_attention`, then run `make grade EX=l17` (or
+`python -m tpedu.course.grading l17`);
 notebooks/17_serving.ipynb uses it through `pick("l17_kv_decode")`.
 It works on one rank's tensors: no communication (the cache never moves).
 """

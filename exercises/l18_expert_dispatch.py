@@ -1,4 +1,4 @@
-"""Lesson 19 exercise: send each token to the rank of its expert and bring the result back.
+"""Lesson 18 exercise: send each token to the rank of its expert and bring the result back.
 
 Expert parallelism (EP) puts experts [r·E/ep, (r+1)·E/ep) on rank r of the EP group; every
 rank routes its own T tokens, then the tokens travel. Nobody knows in advance how many rows a
@@ -10,8 +10,8 @@ all-to-all with the counts swapped. Write the four pieces:
     dispatch         the counts' all-to-all, then the rows' (variable sizes)
     combine          the rows' way back, weighted and summed per token
 
-Then run `make grade` (or `python -m tpedu.course.grading exercises l19_expert_dispatch`);
-notebooks/19_mixture_of_experts.ipynb uses them through `pick("l19_expert_dispatch")`.
+Then run `make grade EX=l18` (or `python -m tpedu.course.grading l18`);
+notebooks/18_mixture_of_experts.ipynb uses them through `pick("l18_expert_dispatch")`.
 
 An assignment is one (token t, choice j) pair of the router's top-k, numbered a = t·k + j (the
 index into experts.reshape(-1)). Collectives: tpedu.comm.collectives (`all_to_all` for equal
@@ -36,7 +36,7 @@ def sort_by_expert(experts: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
 
     experts [[2, 0], [0, 1], [2, 1]] (k = 2), all kept -> [1, 2, 3, 5, 0, 4].
     """
-    raise NotImplementedError("l19: sort the kept assignments; hint: tpedu.grading.hint('l19', 1)")
+    raise NotImplementedError("l18: sort the kept assignments; hint: tpedu.grading.hint('l18', 1)")
 
 
 def send_counts(kept_per_expert: torch.Tensor, ep: int) -> list[int]:
@@ -46,7 +46,7 @@ def send_counts(kept_per_expert: torch.Tensor, ep: int) -> list[int]:
     experts [d·E/ep, (d+1)·E/ep), so it receives the sum over that block. With E = 4, ep = 2:
     [3, 1, 0, 2] -> [4, 2]. ep not dividing E -> ValueError naming both numbers.
     """
-    raise NotImplementedError("l19: count rows per rank; hint: tpedu.grading.hint('l19', 1)")
+    raise NotImplementedError("l18: count rows per rank; hint: tpedu.grading.hint('l18', 1)")
 
 
 def dispatch(
@@ -63,7 +63,7 @@ def dispatch(
     source-major (rank 0's rows first, then rank 1's, ...; within a source, by expert, as sent).
     Two all-to-alls; the second must carry gradients back to `rows`.
     """
-    raise NotImplementedError("l19: exchange counts, then rows; hint: tpedu.grading.hint('l19', 1)")
+    raise NotImplementedError("l18: exchange counts, then rows; hint: tpedu.grading.hint('l18', 1)")
 
 
 def combine(
@@ -83,4 +83,4 @@ def combine(
     y[t] = Σ over the kept (t, j) of weights[t, j] · output of assignment t·k + j. A token
     whose assignments were all dropped gets 0. Differentiable in expert_out and weights.
     """
-    raise NotImplementedError("l19: send back and add up; hint: tpedu.grading.hint('l19', 1)")
+    raise NotImplementedError("l18: send back and add up; hint: tpedu.grading.hint('l18', 1)")

@@ -1,8 +1,8 @@
-"""Lesson 18 exercise: survey the layouts a budget allows, then choose one and say why.
+"""Lesson 19 exercise: survey the layouts a budget allows, then choose one and say why.
 
-Fill in `survey` and `choose`, then run `make grade` (or
-`python -m tpedu.course.grading exercises l18_capstone`);
-notebooks/18_capstone.ipynb calls both through `pick("l18_capstone")`, continues the pretrained
+Fill in `survey` and `choose`, then run `make grade EX=l19` (or
+`python -m tpedu.course.grading l19`);
+notebooks/19_capstone.ipynb calls both through `pick("l19_capstone")`, continues the pretrained
 model under the layout `choose` returns, checkpoints, reshards and serves it, and grades the
 files that run leaves behind (the reason included).
 """
@@ -19,7 +19,7 @@ from tpedu.parallel.config import ParallelConfig
 def survey(config: GPTConfig, budget: Budget) -> list[Candidate]:
     """Every layout of this space, each measured by `tpedu.course.capstone.measure(config,
     parallel, budget)` (the dry run of lesson 13 on every rank: bytes held by the fullest rank,
-    bytes sent by the busiest):
+    bytes the busiest puts on the wire):
 
     - tp and pp powers of two with tp · pp dividing `budget.ranks`, and dp the rest
       (tp · pp · dp = budget.ranks);
@@ -31,7 +31,7 @@ def survey(config: GPTConfig, budget: Budget) -> list[Candidate]:
     `choose`'s job.
     """
     raise NotImplementedError(
-        "l18: enumerate the layouts of the space and measure each; hint: tpedu.grading.hint('l18', 1)"
+        "l19: enumerate the layouts of the space and measure each; hint: tpedu.grading.hint('l19', 1)"
     )
 
 
@@ -42,14 +42,16 @@ def choose(
 
     `seconds` maps `describe(layout)` to its measured step (`step_seconds`, on this machine's
     CPU ranks) for the layouts within the budget. Several fit; they trade memory headroom
-    against bytes sent and step time, and any of them passes if the reason holds up. The reason
-    is a sentence or two for a colleague: it names the layout (tp, pp, dp as
-    `describe` writes them, the ZeRO stage and sequence parallelism if on) and the figures you
-    weighed, with their units (MB held, MB sent, ms per step). The grader checks that it names
-    the layout and cites at least one figure.
+    against bytes on the wire and step time, and any of them passes if the reason holds up. The
+    reason is a sentence or two for a colleague: it names the layout first (tp, pp, dp as
+    `describe` writes them, the ZeRO stage and sequence parallelism if on), then the figures
+    you weighed, with their units (MB held, MB on the wire, ms per step), then the layouts you
+    compared it with. The grader checks the figures against its own dry run: at least one of
+    those you cite before naming another layout must be within 5 % of the choice's MB held or
+    MB on the wire, and most of them must be its figures, the budget's, or the headroom.
 
     Nothing within the budget -> ValueError saying so.
     """
     raise NotImplementedError(
-        "l18: pick one of the layouts within the budget and write down why; hint: tpedu.grading.hint('l18', 1)"
+        "l19: pick one of the layouts within the budget and write down why; hint: tpedu.grading.hint('l19', 1)"
     )

@@ -1,4 +1,4 @@
-"""Lesson 19 reference: expert parallelism's dispatch and combine, with counts first."""
+"""Lesson 18 reference: expert parallelism's dispatch and combine, with counts first."""
 
 from __future__ import annotations
 

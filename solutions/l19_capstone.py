@@ -1,4 +1,4 @@
-"""Reference for exercises/l18_capstone.py."""
+"""Reference for exercises/l19_capstone.py."""
 
 from __future__ import annotations
 
@@ -33,8 +33,9 @@ def survey(config: GPTConfig, budget: Budget) -> list[Candidate]:
 def choose(
     found: Sequence[Candidate], seconds: Mapping[str, float], budget: Budget
 ) -> tuple[ParallelConfig, str]:
-    """The layout within the budget with the most memory headroom (ties: the fewer bytes
-    sent), and why, with its figures and its cost in measured time.
+    """The layout within the budget with the most memory headroom (ties: the fewer bytes on
+    the wire), and why: the layout first, then its figures, then what it costs against the
+    others (bytes on the wire, measured time).
 
     Headroom first because the dry run counts tensors, and a real device holds more: the
     allocator's fragmentation, the communication library's buffers, the runtime's context, a
@@ -45,7 +46,7 @@ def choose(
     if not fitting:
         raise ValueError(
             f"no layout of the {len(found)} measured fits {budget.bytes_per_rank / MB:g} MB "
-            f"and {budget.sent_per_rank / MB:g} MB sent per rank: a larger budget, or other "
+            f"and {budget.sent_per_rank / MB:g} MB on the wire per rank: a larger budget, or other "
             "memory savers (recompute)"
         )
     best = min(fitting, key=lambda c: (c.peak, c.sent))
@@ -53,14 +54,14 @@ def choose(
     why = [
         f"{name}: fullest rank {best.peak / MB:.2f} MB of {budget.bytes_per_rank / MB:g} MB, "
         f"{100 * (1 - best.peak / budget.bytes_per_rank):.0f}% headroom, the most of the "
-        f"{len(fitting)} layouts within the budget; {best.sent / MB:.2f} MB sent per step "
-        f"(bound {budget.sent_per_rank / MB:g} MB)."
+        f"{len(fitting)} layouts within the budget; {best.sent / MB:.2f} MB on the wire per "
+        f"step (bound {budget.sent_per_rank / MB:g} MB)."
     ]
     least = min(fitting, key=lambda c: c.sent)
     if least is not best:
         why.append(
-            f"It sends {best.sent / least.sent:.1f}x the bytes of {describe(least.parallel)} "
-            f"({least.sent / MB:.2f} MB)."
+            f"It puts {best.sent / least.sent:.1f}x the bytes on the wire of "
+            f"{describe(least.parallel)} ({least.sent / MB:.2f} MB)."
         )
     timed = {k: v for k, v in seconds.items() if k in {describe(c.parallel) for c in fitting}}
     if name in timed:

@@ -140,7 +140,7 @@ def launches(*args):
     return True
 
 
-# The capstone's artefacts (tests/test_capstone.py, tests/exercises/test_l18_capstone.py)
+# The capstone's artefacts (tests/test_capstone.py, tests/exercises/test_l19_capstone.py)
 
 
 def make_artefacts(work, choice, steps=4, new=8, why=None):
@@ -152,7 +152,10 @@ def make_artefacts(work, choice, steps=4, new=8, why=None):
     tok, train_ids, val_ids = novel_data("char")
     config = capstone.BUDGET.model(tok.vocab_size)
     name = capstone.describe(choice)
-    capstone.write_choice(work, choice, why or f"{name}: the test's layout, 25 MB per rank")
+    if why is None:  # a reason the grader accepts: the layout, then its dry run's figures
+        c = capstone.measure(config, choice)
+        why = f"{name}: {c.peak / 1e6:.2f} MB held, {c.sent / 1e6:.2f} MB on the wire"
+    capstone.write_choice(work, choice, why)
     cfg = TrainConfig(
         steps=steps,
         batch=capstone.BUDGET.batch,

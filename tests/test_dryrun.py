@@ -428,7 +428,7 @@ def test_cli_bad_input_is_one_line(capfd, args, message):
     assert err.startswith("tpedu: error: ") and "Traceback" not in err and not out
 
 
-# Mixture of experts (lesson 19). Which expert a token goes to depends on values, which meta
+# Mixture of experts (lesson 18). Which expert a token goes to depends on values, which meta
 # tensors do not have, so the dry run assumes balanced routing (tpedu.moe.expert_parallel.
 # balanced_routing: T·k/E assignments per expert, the first T·k mod E experts one more, every
 # EP rank alike). Real ranks route by value; to hold the dry run against them, their routers

@@ -11,12 +11,12 @@ from tpedu.course.capstone import MB, Budget, Candidate, describe
 from tpedu.course.figures_capstone import first_step, plot_candidates, plot_training, short
 from tpedu.parallel.config import ParallelConfig
 
-BUDGET = Budget(bytes_per_rank=25 * MB, sent_per_rank=20 * MB)
+BUDGET = Budget(bytes_per_rank=23 * MB, sent_per_rank=13 * MB)
 FOUND = [
-    Candidate(ParallelConfig(dp=4), 48 * MB, 5 * MB),  # over the memory
-    Candidate(ParallelConfig(pp=2, dp=2), 24 * MB, 7 * MB),
-    Candidate(ParallelConfig(tp=2, pp=2), 18 * MB, 13 * MB),
-    Candidate(ParallelConfig(tp=2, pp=2, sequence_parallel=True), 16 * MB, 26 * MB),  # sends
+    Candidate(ParallelConfig(dp=4), 48 * MB, 8 * MB),  # over the memory
+    Candidate(ParallelConfig(pp=2, dp=2, zero=2), 22 * MB, 7 * MB),
+    Candidate(ParallelConfig(tp=2, pp=2), 18 * MB, 12 * MB),
+    Candidate(ParallelConfig(tp=2, pp=2, sequence_parallel=True), 16 * MB, 14 * MB),  # wire
 ]
 
 
@@ -36,16 +36,17 @@ def test_the_candidates_are_drawn_where_the_dry_run_put_them():
     fit = [tuple(colours[i]) == tuple(colours[1]) for i in range(len(FOUND))]
     assert fit == [False, True, True, False]  # within both bounds: one colour
     circled = scatter.collections[1].get_offsets()
-    np.testing.assert_allclose(circled, [[18, 13]])  # the choice
+    np.testing.assert_allclose(circled, [[18, 12]])  # the choice
     lines = {tuple(line.get_xdata()) for line in scatter.lines} | {
         tuple(line.get_ydata()) for line in scatter.lines
     }
-    assert (25, 25) in lines and (20, 20) in lines  # the two bounds, in MB
+    assert (23, 23) in lines and (13, 13) in lines  # the two bounds, in MB
+    assert "on the wire" in scatter.get_ylabel()  # ring volumes, not the tensors' bytes
     numbers = [(t.get_text(), t.xy) for t in scatter.texts if t.get_text().isdigit()]
-    assert numbers == [("1", (24, 7)), ("2", (18, 13))]  # the layouts within the budget
+    assert numbers == [("1", (22, 7)), ("2", (18, 12))]  # the layouts within the budget
     fig.canvas.draw()
     labels = [t.get_text() for t in bars.get_yticklabels()][::-1]  # barh draws bottom up
-    assert labels == ["1  tp1·pp2·dp2", "2  tp2·pp2·dp1"]
+    assert labels == ["1  tp1·pp2·dp2 +Z2", "2  tp2·pp2·dp1"]
     widths = [p.get_width() for p in bars.patches][::-1]
     np.testing.assert_allclose(widths, [210, 320])  # ms per step, in the same order
     plt.close(fig)

@@ -1,6 +1,9 @@
 """The grader: solutions get full marks; every untouched stub is caught as unfinished; the table
-prints for both without crashing. Hints: every exercise has at least three, in order, and asks
-for them fail clearly. Stubs do not dictate code; solutions are written out, not re-exported."""
+prints for both without crashing, and lists each exercise's failing tests (first lines, capped)
+with the command that grades it alone; one exercise is graded by its lesson ("l04"). Hints: every
+exercise has at least three, in order, and asks for them fail clearly. Stubs do not dictate code;
+solutions are written out, not re-exported. pick: the reference's pieces run in the learner's
+module (tests/test_grading_cheats.py holds the ways around it that are refused)."""
 
 import ast
 import json
@@ -297,8 +300,9 @@ def test_pick_mixes_the_learners_functions_with_the_references(demo_course, caps
     line = capsys.readouterr().out.strip()
     ref = grading.implementation("l99_demo", "solutions")
     assert m.double(4) == 8 and m.double is not ref.double  # written: the learner's
-    assert m.triple is ref.triple and m.triple(4) == 12  # a stub: the reference's
-    assert m.Counter is ref.Counter and m.Counter().bump() == 101  # a class with a stub method
+    assert m.triple(4) == 12 and grading.whose(m, "triple") == "reference"  # a stub
+    assert m.Counter().bump() == 101 and grading.whose(m, "Counter") == "reference"
+    assert m.triple.__globals__ is vars(m)  # the reference's code, run in the learner's module
     assert m.quadruple_plus_one(1) == 5  # the learner's, calling the learner's double
     assert m.SCALE == 10  # the learner's module keeps its own names
     assert grading.whose(m, "double") == "yours" and grading.whose(m, "triple") == "reference"
@@ -318,11 +322,8 @@ def test_a_written_function_calls_the_references_helper_while_its_own_is_a_stub(
     stubbed = text.replace("return 2 * x * SCALE // 10", "raise NotImplementedError('l99')")
     demo_course.write_text(stubbed)
     m = grading.pick("l99_demo")  # the file is read again: the edit counts
-    ref = grading.implementation("l99_demo", "solutions")
-    assert m.double is ref.double
-    assert (
-        m.quadruple_plus_one(1) == 0
-    )  # the learner's code, through the reference's double: -1 + 1
+    assert grading.whose(m, "double") == "reference" and m.double(4) == -1
+    assert m.quadruple_plus_one(1) == 0  # the learner's code, through the reference's double
     assert (
         "yours: quadruple_plus_one · reference: double, triple, Counter" in capsys.readouterr().out
     )
@@ -389,3 +390,56 @@ def test_the_bug_hunt_says_when_the_reference_ran():
     assert str(by_reference).startswith("Case 1: not written yet") and not by_reference.closed
     assert "The reference fix ran" in str(by_reference)
     assert str(hunt.verdict(1, "yours", per_rank, "f")).startswith("Case 1 closed: with your f")
+
+
+# ---- make grade says what failed, and grades one exercise by its short name
+
+
+def test_grade_table_shows_what_failed_and_how_to_grade_it_alone():
+    failures = [(f"test_{k}", f"AssertionError: claim {k} fails\nmore") for k in range(7)]
+    scores = [
+        grading.Score("l04_parallel_linear", passed=3, failed=7, unfinished=0, failures=failures),
+        grading.Score("l05_qkv_split", failed=2, unfinished=2, failures=failures[:2]),
+        grading.Score("l12_zero", passed=1, failed=1, failures=[("test_z", "x" * 300)]),
+    ]
+    text = grading.table(scores)
+    block = text[text.index("l04_parallel_linear: 7 of 10 tests fail") :]
+    shown = [f"    test_{k}: AssertionError: claim {k} fails" for k in range(grading.SHOWN)]
+    assert block.splitlines()[1 : grading.SHOWN + 1] == shown  # first lines only, capped
+    assert "test_5" not in text and "... and 2 more" in block
+    assert "grade it alone: make grade EX=l04" in block
+    assert "l05_qkv_split: " not in text  # not started: nothing to list, the table says so
+    assert "make grade EX=l12_zero" in text  # l12 names two exercises: the full name
+    assert max(map(len, text.splitlines())) <= 110  # a long message is clipped
+
+
+def test_the_command_line_takes_short_names_and_help(monkeypatch, capsys):
+    asked = []
+    monkeypatch.setattr(grading, "grade", lambda kind, quiet=True, names=None: asked.append((kind, names)) or [])  # fmt: skip
+    assert grading.main(["--help"]) == 0 and "usage:" in capsys.readouterr().out and not asked
+    assert grading.main(["l04"]) == 0 and asked[-1] == ("exercises", ["l04_parallel_linear"])
+    assert grading.main(["solutions", "l12", "l04_parallel_linear"]) == 0
+    assert asked[-1] == ("solutions", ["l12_bucketed_allreduce", "l12_zero", "l04_parallel_linear"])
+    assert grading.main([]) == 0 and asked[-1] == ("exercises", None)
+    capsys.readouterr()
+    assert grading.main(["l99"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown exercise 'l99'" in err and "usage:" in err and len(asked) == 3
+
+
+def test_grade_records_each_failing_test_and_its_first_line(demo_course):
+    tests = demo_course.parents[1] / "tests" / "exercises"
+    tests.mkdir(parents=True)
+    (tests / "test_l99_demo.py").write_text(
+        "from tpedu.course.grading import implementation\n\n\n"
+        "def test_double():\n"
+        "    assert implementation('l99_demo').double(2) == 5, 'double(2) is not 5\\nmore'\n\n\n"
+        "def test_triple():\n"
+        "    assert implementation('l99_demo').triple(2) == 6\n\n\n"
+        "def test_fine():\n"
+        "    pass\n"
+    )
+    (s,) = grading.grade("exercises", names=["l99_demo"])
+    assert (s.passed, s.failed, s.unfinished, s.status) == (1, 2, 1, "in progress")
+    assert s.failures[0] == ("test_double", "AssertionError: double(2) is not 5")
+    assert s.failures[1][0] == "test_triple" and "NotImplementedError" in s.failures[1][1]

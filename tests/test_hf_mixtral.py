@@ -1,4 +1,4 @@
-"""Lesson 19: Hugging Face Mixtral weights in the tensor- and expert-parallel GPT give Mixtral's
+"""Lesson 18: Hugging Face Mixtral weights in the tensor- and expert-parallel GPT give Mixtral's
 own logits and routing at tp 1, tp 2, ep 2 and tp 2 × ep 2, from a state dict or from a
 `save_pretrained` directory by slices (each rank reads its experts only); HF -> tpedu -> HF
 gives back every tensor; what either side cannot express is refused in one line. Nothing is

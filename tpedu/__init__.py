@@ -30,7 +30,7 @@ imports only its own layer and those below it: tests/test_structure.py checks it
         ulysses           Ulysses attention: all-to-all from sequence shards to head shards and back
         balance           causal attention work per CP rank, contiguous vs zig-zag
         traffic           what CP sends, as formulas the tracer checks, and their α-β time
-    moe/                  mixture of experts and expert parallelism (lesson 19)
+    moe/                  mixture of experts and expert parallelism (lesson 18)
         router            the top-k router, its capacity and token dropping, the auxiliary losses
         dense             DenseMoE, every expert on one process: the reference
         dispatch          the all-to-alls of variable sizes that send tokens to their experts
@@ -66,7 +66,7 @@ imports only its own layer and those below it: tests/test_structure.py checks it
         hf_map            the one table from Hugging Face tensors to tpedu's dense tensors
         hf_gpt2           Hugging Face GPT-2 (GPT2LMHeadModel) <-> tpedu
         hf_llama          Hugging Face Llama (LlamaForCausalLM) <-> tpedu
-        hf_mixtral        Hugging Face Mixtral (MixtralForCausalLM) <-> tpedu's MoE GPT (19)
+        hf_mixtral        Hugging Face Mixtral (MixtralForCausalLM) <-> tpedu's MoE GPT (18)
     serve/                serving with a KV cache sharded by heads (lesson 17)
         generate          batched generation: prefill every prompt at once, then one-token decodes
     analysis/             arithmetic from a model's shape (lessons 00, 10, 13, 15)
@@ -76,8 +76,9 @@ imports only its own layer and those below it: tests/test_structure.py checks it
         activation_memory bytes saved for backward, measured per sub-module (10)
         whatif            step time and MFU of a cluster from FLOPs and the α-β model (15)
         dryrun            one rank of a 128-GPU job on the meta device: bytes held and sent (13)
-    course/               course infrastructure, and lesson 16's bug hunt and 18's capstone
+    course/               course infrastructure, and lesson 16's bug hunt and 19's capstone
         grading           the exercise grader behind `make grade`
+        proofs            lesson 04's proofs, run on the learner's picked functions (04)
         figures_basics    figures drawn from what the code records in a run (02–06)
         figures_model     the same for the GPT: a step's collectives, pipeline memory (07–11)
         gpu_check         the GPU checks behind `make gpu-check`
@@ -85,10 +86,12 @@ imports only its own layer and those below it: tests/test_structure.py checks it
         zoo_training      the zoo's training checks: ZeRO and EP against plain DP, step by step (16)
         hunt              the blind bug hunt: mystery cases, zoo bugs applied unnamed (16)
         hunt_cases        the hunt's cases: symptoms, the functions that ran, the answers (16)
+        hunt_checks       a fix checked on runs its case never shows (16)
         mutation          a bug as one edit of tpedu's own source, shown as it ran (16)
         figures_precision bf16 training: why the master weights stay fp32, measured (00)
         troubleshoot      gradient comparison between layouts, debug settings, numerics (16)
         capstone          the capstone's budget, and its checks on the files a run leaves (18)
+        capstone_rerun    what its grader runs again: the resume, the learner's code (18)
     grading               the grader's learner-facing names: `tpedu.grading.hint('l03', 1)`
     cli/                  `python -m tpedu`, the command line (lessons 02–14)
         parser            the argument parser: every subcommand and flag
@@ -102,3 +105,13 @@ from tpedu.launcher import LaunchTimeout, RankError, launch, run
 
 __version__ = "0.1.0"
 __all__ = ["LaunchTimeout", "RankError", "device", "launch", "run", "__version__"]
+
+
+def __getattr__(name: str) -> object:
+    # `tpedu.grading.hint('l04', 1)` (what the exercise stubs say) after a plain `import tpedu`;
+    # imported on first use, so `import tpedu` does not load the grader.
+    if name == "grading":
+        import importlib
+
+        return importlib.import_module("tpedu.grading")
+    raise AttributeError(f"module 'tpedu' has no attribute {name!r}")

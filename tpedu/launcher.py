@@ -571,10 +571,9 @@ def _rank_main(job: _Job, rank: int, port: int, *, conn: Connection, outdir: str
 
 
 def _host_the_store_until_all_finished(store: dist.TCPStore, world_size: int) -> None:
-    """Rank 0, its result already sent (so the parent can see another rank's failure as the
-    failure it is), keeps its process, and with it the store, until every rank has said it
-    finished. No time limit here: a rank that never finishes is the launcher's to detect, and
-    it kills rank 0 with the rest."""
+    """Rank 0, its result sent (so another rank's failure is seen as the failure it is), keeps
+    the store up until every rank has finished. A rank that never finishes is the launcher's to
+    detect: it kills rank 0 with the rest."""
     keys = [f"tpedu/finished/{r}" for r in range(world_size)]
     while not store.check(keys):
         time.sleep(0.005)

@@ -5,7 +5,9 @@ suspects and returns a rewrite of it. Two tests per case, each through the case'
 (float64 TP vs tp=1, the pipeline step, the greedy tokens):
 
 - closed: with the bug in place and your function in place of the suspect you named, the check
-  passes on every rank, where without your function it fails;
+  passes on every rank, where without your function it fails; it passes too on runs the case
+  never shows (other shapes, layouts, seeds), and your function never calls tpedu's own version
+  of the suspect (which, while the check runs, is the broken one);
 - a real fix: on tpedu without the bug, your function in place of that suspect keeps the check
   passing (a rewrite that only compensates for the broken function elsewhere would not).
 

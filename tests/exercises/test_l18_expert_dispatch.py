@@ -1,4 +1,4 @@
-"""Grades exercises/l19_expert_dispatch.py: the order of the kept assignments, the rows per
+"""Grades exercises/l18_expert_dispatch.py: the order of the kept assignments, the rows per
 rank, the two all-to-alls of dispatch and the way back of combine, then the four pieces put
 together as an expert-parallel layer against DenseMoE on 1, 2 and 4 gloo ranks.
 
@@ -22,7 +22,7 @@ from tpedu.moe.dense import DenseMoE
 from tpedu.moe.dispatch import all_to_all_tokens, exchange_counts, expert_major
 from tpedu.moe.router import keep_mask
 
-NAME = "l19_expert_dispatch"
+NAME = "l18_expert_dispatch"
 H, F, E, T = 6, 10, 8, 12  # E = 8: 2 experts per rank at ep 4; T tokens per rank
 TOL = 1e-12
 CASES = [(2, None), (2, 1.0), (1, None), (1, 0.75)]  # (top_k, capacity factor)

@@ -1,8 +1,8 @@
-"""Grades exercises/l18_capstone.py: the survey measures every layout of the space (and leaves
+"""Grades exercises/l19_capstone.py: the survey measures every layout of the space (and leaves
 out the ones the model cannot run); the choice is a layout within the budget, with a reason
-that names it and cites a figure; and a run of it (train with checkpoints, reshard to tp 1,
-resume, serve at tp 1 and the chosen tp) passes every artefact check of
-tpedu.course.capstone."""
+that names it first and cites a figure of it that the grader's dry run gives; and a run of it
+(train with checkpoints, reshard to tp 1, resume, serve at tp 1 and the chosen tp) passes every
+artefact check of tpedu.course.capstone."""
 
 from dataclasses import replace
 
@@ -14,7 +14,7 @@ from tpedu.course.capstone import BUDGET, MB, Budget, describe, measure
 from tpedu.course.grading import implementation
 from tpedu.parallel.config import ParallelConfig
 
-NAME = "l18_capstone"
+NAME = "l19_capstone"
 VOCAB = 4334  # the novel's characters (novel_data("char"))
 
 
@@ -71,7 +71,7 @@ def test_the_choice_is_within_the_budget_and_says_why(candidates):
     choice, why = _choose(candidates)
     found, _ = candidates
     assert choice in [c.parallel for c in found if c.fits()], describe(choice)
-    capstone.check_why(why, choice)  # raises, saying what the reason lacks
+    capstone.check_why(why, measure(BUDGET.model(VOCAB), choice))  # raises, saying what is wrong
 
 
 def test_nothing_within_the_budget_is_a_value_error(candidates):

@@ -1,4 +1,4 @@
-"""Lesson 19: Hugging Face Mixtral <-> tpedu: MixtralForCausalLM's weights in the tensor- and
+"""Lesson 18: Hugging Face Mixtral <-> tpedu: MixtralForCausalLM's weights in the tensor- and
 expert-parallel GPT, and a Mixtral-shaped tpedu mixture of experts exported for `transformers`.
 
 Mixtral is Llama (tpedu.checkpoint.hf_llama: RMSNorm, RoPE, grouped-query attention, no biases)

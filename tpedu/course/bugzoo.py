@@ -119,11 +119,12 @@ EDITS: dict[str, Mutation] = {
     "argmax_one_shard": Mutation(
         vocab_parallel,
         "vocab_parallel_argmax",
+        "    best, idx = z.max(dim=-1, keepdim=True)  # first maximum within the shard\n"
         "    values = collectives.all_gather(best.contiguous(), group, dim=-1)  # [..., t], rank "
         "order\n    ids = collectives.all_gather((idx + start).contiguous(), group, dim=-1)\n"
         "    winner = values.argmax(dim=-1, keepdim=True)  # first (lowest-rank) maximum: lowest "
         "id\n    return ids.gather(-1, winner).squeeze(-1)\n",
-        "    return (idx + start).squeeze(-1)\n",
+        "    return z.argmax(dim=-1) + start\n",
     ),
     "kv_wrong_replica": Mutation(
         attention, "local_heads", "kv = [rank // (tp // n_kv_heads)]", "kv = [rank % n_kv_heads]"
@@ -532,6 +533,11 @@ BUGS: dict[str, Bug] = {
         ),
     ]
 }
+
+
+# Bugs in what the course teaches after lesson 16 (expert parallelism): kept in the zoo and its
+# tests, left out of lesson 16's tour, which may use only what earlier lessons taught.
+LATER = frozenset({"ep_experts_averaged_over_dp"})
 
 
 def broken(name: str) -> contextlib.AbstractContextManager:

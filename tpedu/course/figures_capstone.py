@@ -1,8 +1,8 @@
-"""Lesson 18: the capstone's figures, drawn from what its tools measured and its runs recorded.
+"""Lesson 19: the capstone's figures, drawn from what its tools measured and its runs recorded.
 
     fig = plot_candidates(found, BUDGET, seconds, CHOICE)   # the dry run's bytes held and
-                                                            # sent, the budget's bounds, the
-                                                            # measured steps, the choice
+                                                            # on the wire, the budget's bounds,
+                                                            # the measured steps, the choice
     fig = plot_training(pretrain, run, resumed)             # the loss from the first step to
                                                             # the last, and the resume on top
                                                             # of the straight run
@@ -49,7 +49,7 @@ def plot_candidates(
     seconds: Mapping[str, float] | None = None,
     choice: ParallelConfig | None = None,
 ) -> Figure:
-    """Left: every candidate's fullest rank (x) against its bytes sent per step (y), the
+    """Left: every candidate's fullest rank (x) against its bytes on the wire per step (y), the
     budget's two bounds as lines around the region within both (shaded), the layouts there
     in colour and numbered, the others grey, the choice circled. Right (with `seconds`): the
     measured step of each numbered layout, under its number and name, the choice in red."""
@@ -77,9 +77,10 @@ def plot_candidates(
         ax.legend(loc="upper left", fontsize=8)
     ax.text(mem, span[1], f"memory per rank {mem:g} MB ", rotation=90, va="top", ha="right",
             fontsize=8)  # fmt: skip
-    ax.text(span[0], sent, f"sent per step {sent:g} MB", va="bottom", ha="right", fontsize=8)
+    ax.text(span[0], sent, f"on the wire per step {sent:g} MB", va="bottom", ha="right",
+            fontsize=8)  # fmt: skip
     ax.set_xlabel("fullest rank, MB (dry run: weights, grads, AdamW, activations)")
-    ax.set_ylabel("most bytes a rank sends per step, MB (dry run)")
+    ax.set_ylabel("most bytes a rank puts on the wire per step, MB (dry run)")
     ax.set_title(
         f"{len(found)} layouts of {budget.ranks} ranks: {sum(inside)} within the budget "
         "(grey: over a bound)",

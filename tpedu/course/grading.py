@@ -6,13 +6,13 @@ Tests never import either directly; they call `implementation("X")`, which follo
 environment variable TPEDU_IMPL ("solutions" by default, "exercises" under `make grade`). This is
 the one indirection (an adapter, as in Stanford CS336) that lets the same tests grade both.
 Notebooks call `pick("X")` instead: each function or class of exercises/X.py the learner has
-written, the reference's for each one that still raises NotImplementedError, and a printed line
-saying which.
+written, the reference's for each one that still raises NotImplementedError (run inside the
+learner's module, so it calls the learner's helpers), and a printed line saying which.
 
     python -m tpedu.course.grading            # score exercises/ (what `make grade` runs)
     python -m tpedu.course.grading solutions  # the reference must get full marks
-    python -m tpedu.course.grading exercises l01_matmul_split   # just one exercise
-    python -m tpedu.course.grading hint l03 1                   # the first hint for lesson 03
+    python -m tpedu.course.grading l01        # just one exercise (or l01_matmul_split)
+    python -m tpedu.course.grading hint l03 1 # the first hint for lesson 03
 
 Hints come in levels, each closer to the code than the one before (1: the idea, 2: the shapes
 and the collectives, 3: the steps, short of the code itself). They live in one Markdown file per
@@ -21,6 +21,7 @@ of them, and asks for the next one only when stuck.
 """
 
 from __future__ import annotations
+import __future__
 
 import ast
 import importlib
@@ -29,7 +30,7 @@ import json
 import os
 import re
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import ModuleType
 
@@ -122,6 +123,76 @@ def _load_learner(name: str) -> ModuleType:
     return module
 
 
+def borrowed(path: Path) -> list[str]:
+    """Where the file at `path` reaches into solutions/ (an import, or a module name in a
+    string): "line 3: from solutions.l04_parallel_linear import *". Code that does is the
+    reference's, not the learner's, however it is wrapped."""
+    text = path.read_text(encoding="utf-8")
+    tree, lines, found = ast.parse(text), text.splitlines(), []
+    for node in ast.walk(tree):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            names = [node.module or ""]
+            names += [a.name for a in node.names] if node.module is None else []  # from . import
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            names = [node.value]
+        if any(n == "solutions" or n.startswith("solutions.") for n in names):
+            found.append(f"line {node.lineno}: {lines[node.lineno - 1].strip()}")
+    return sorted(set(found), key=lambda s: int(s.split(":")[0].removeprefix("line ")))
+
+
+def _files(obj: object) -> set[Path]:
+    """The files the code of function or class `obj` was written in (empty for data)."""
+    if isinstance(obj, type):
+        codes = [getattr(getattr(f, "__func__", f), "__code__", None) for f in vars(obj).values()]
+    else:
+        codes = [getattr(obj, "__code__", None)]
+    return {Path(c.co_filename) for c in codes if c is not None}
+
+
+def _written_in(obj: object, path: Path) -> bool:
+    """Whether function or class `obj` was written in the file at `path` (data: True)."""
+    files = _files(obj)
+    return not files or files == {path}
+
+
+def _from_solutions(obj: object) -> bool:
+    return any(f.is_relative_to(ROOT / "solutions") for f in _files(obj))
+
+
+def _rebuild(module: ModuleType, reference: ModuleType, names: list[str]) -> None:
+    """Run the reference's definitions of `names` again inside `module`: their globals are then
+    the learner's, so a reference function that calls a helper calls the learner's helper
+    (when written), and everything they need that the learner's file lacks is copied in."""
+    path = Path(reference.__file__)
+    nodes = {
+        n.name: n
+        for n in ast.parse(path.read_text(encoding="utf-8")).body
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+    }
+    for key, value in vars(reference).items():  # imports, constants, private helpers
+        if key not in module.__dict__ and not key.startswith("__"):
+            module.__dict__[key] = value
+    helpers = [
+        k
+        for k, v in vars(module).items()
+        if k in nodes and k not in names and v is getattr(reference, k, None)
+    ]
+    body = [nodes[n] for n in nodes if n in names or n in helpers]  # the reference's order
+    tree = ast.Module(body=body, type_ignores=[])
+    flags = __future__.annotations.compiler_flag
+    exec(compile(tree, str(path), "exec", flags=flags, dont_inherit=True), module.__dict__)
+    for n in names:
+        if n not in nodes:  # not defined by the reference itself (imported there): as it is
+            setattr(module, n, getattr(reference, n))
+    module.__dict__.setdefault(_RECORD, {}).update(dict.fromkeys(names + helpers, "reference"))
+
+
+_RECORD = "__picked__"  # in a picked module: {name: "yours" | "reference"}
+
+
 def _raise(n: int) -> str:
     return "still raises NotImplementedError" if n == 1 else "still raise NotImplementedError"
 
@@ -131,10 +202,11 @@ def pick(name: str) -> ModuleType:
     you have written, and the reference's (solutions/`name`.py) for each one that still raises
     NotImplementedError. Prints one line saying whose code runs, function by function.
 
-    The reference's pieces go into your module's namespace, so a function of yours that calls
-    one you have not written yet calls the reference's. A class is one piece: it is yours once
-    none of its methods raises NotImplementedError. Your file is read again on every call: after
-    editing it, run the cell with `pick` again.
+    The reference's pieces are run again inside your module, so they call your functions: a
+    reference function whose helper you have written runs your helper. A class is one piece:
+    it is yours once none of its methods raises NotImplementedError. A file that imports
+    solutions/ counts as the reference throughout. Your file is read again on every call: after
+    editing it, run the cell with `pick` again. `whose(module, "fn")` says whose `fn` ran.
 
     TPEDU_IMPL=solutions (set by `make test` and when the notebooks are regenerated) runs the
     reference for everything, so the stored notebook outputs do not depend on the learner's
@@ -144,7 +216,8 @@ def pick(name: str) -> ModuleType:
     forced = os.environ.get("TPEDU_IMPL")
     if forced is not None and forced not in KINDS:
         raise ValueError(f"TPEDU_IMPL must be one of {KINDS}, got {forced!r}")
-    parts = _parts(ROOT / "exercises" / f"{name}.py")
+    path = ROOT / "exercises" / f"{name}.py"
+    parts = _parts(path)
     kinds = sorted({p.is_class for p in parts})  # False (functions) first
     every = "every " + " and ".join("class" if k else "function" for k in kinds or [False])
     if forced == "solutions":
@@ -159,38 +232,60 @@ def pick(name: str) -> ModuleType:
 
     module = _load_learner(name)
     reference = implementation(name, "solutions")
-    yours = [p.name for p in parts if not p.unwritten]
-    theirs = [p.name for p in parts if p.unwritten]
-    for n in theirs:
-        setattr(module, n, getattr(reference, n))
-    missing = [p.name for p in _parts(Path(reference.__file__)) if not hasattr(module, p.name)]
-    for n in missing:  # deleted from your file: the notebook still needs it
-        setattr(module, n, getattr(reference, n))
-    if not theirs and not missing:
+    borrows = borrowed(path)
+    names = [p.name for p in parts]
+    names += [p.name for p in _parts(Path(reference.__file__)) if p.name not in names]
+    own = vars(module)
+    missing = [n for n in names if n not in own]  # deleted from the file, or never there
+    imported = [n for n in names if n in own and not _written_in(own[n], path)]
+    stubbed = [p.name for p in parts if p.unwritten and p.name not in imported]
+    theirs = [n for n in names if borrows or n in missing + imported + stubbed]
+    yours = [n for n in names if n not in theirs]
+    module.__dict__[_RECORD] = dict.fromkeys(yours, "yours")
+    _rebuild(module, reference, theirs)
+    if not theirs:
         print(f"{name}: your code runs for {every}: {', '.join(yours)}")
         return module
-    notes = [_raise(len(theirs))] if theirs else []
-    notes += [
-        f"{p.name} runs as a whole class: {', '.join(p.unwritten)} not written yet"
-        for p in parts
-        if p.is_class and p.unwritten and len(p.unwritten) < len(p.methods)
-    ]
-    notes += [f"{', '.join(missing)} not in your file"] if missing else []
+    if borrows:
+        notes = [f"your file uses solutions/ ({borrows[0]}), so none of it counts as yours"]
+    else:
+        notes = [_raise(len(stubbed))] if stubbed else []
+        notes += [
+            f"{p.name} runs as a whole class: {', '.join(p.unwritten)} not written yet"
+            for p in parts
+            if p.name in stubbed and p.is_class and len(p.unwritten) < len(p.methods)
+        ]
+        notes += [f"{', '.join(imported)} not written in your file"] if imported else []
+        notes += [f"{', '.join(missing)} not in your file"] if missing else []
     print(
         f"{name}: yours: {', '.join(yours) or 'none yet'} · "
-        f"reference: {', '.join(theirs + missing)} ({'; '.join(notes)})"
+        f"reference: {', '.join(theirs)} ({'; '.join(notes)})"
     )
     return module
 
 
 def whose(module: ModuleType, attribute: str) -> str:
-    """Whose code `module.<attribute>` is, for a module `pick` returned: "reference" when it is
-    the reference's object, else "yours"."""
-    name = module.__name__.rpartition(".")[2].removeprefix("picked_")
-    if name not in exercise_names():
-        return "yours"
-    reference = implementation(name, "solutions")
-    return "reference" if getattr(module, attribute) is getattr(reference, attribute) else "yours"
+    """Whose code `module.<attribute>` is: "reference" when the reference's code runs for it
+    (pick put it in, or it comes from solutions/), else "yours"."""
+    record = getattr(module, _RECORD, {})
+    if attribute in record:
+        return record[attribute]
+    if module.__name__.startswith("solutions."):
+        return "reference"
+    file = getattr(module, "__file__", None)
+    if file and Path(file).parent == ROOT / "exercises" and borrowed(Path(file)):
+        return "reference"  # TPEDU_IMPL=exercises: the learner's module, using solutions/
+    return "reference" if _from_solutions(getattr(module, attribute)) else "yours"
+
+
+def ran(module: ModuleType, *attributes: str) -> str:
+    """Whose pieces `attributes` of a picked module are, for a printed line: "your f, g",
+    "the reference's f, g", or both parts when they differ."""
+    groups: dict[str, list[str]] = {}
+    for a in attributes:
+        groups.setdefault(whose(module, a), []).append(a)
+    owner = {"yours": "your", "reference": "the reference's"}
+    return " and ".join(f"{owner[w]} {', '.join(names)}" for w, names in groups.items())
 
 
 def exercise_names() -> list[str]:
@@ -254,6 +349,8 @@ class Score:
     passed: int = 0
     failed: int = 0
     unfinished: int = 0  # failures caused by NotImplementedError
+    failures: list[tuple[str, str]] = field(default_factory=list)  # (test, its message's line 1)
+    borrowed: list[str] = field(default_factory=list)  # where exercises/ uses solutions/
 
     @property
     def total(self) -> int:
@@ -263,6 +360,8 @@ class Score:
     def status(self) -> str:
         if self.total == 0:
             return "no tests"
+        if self.borrowed:
+            return "uses solutions/"
         if self.passed == self.total:
             return "done"
         if self.unfinished == self.total:
@@ -287,6 +386,10 @@ class _Collector:
             score.failed += 1
             if "NotImplementedError" in str(report.longrepr):
                 score.unfinished += 1
+            crash = getattr(report.longrepr, "reprcrash", None)
+            message = crash.message if crash is not None else str(report.longrepr)
+            first = (message.strip().splitlines() or [""])[0]
+            score.failures.append((report.nodeid.rpartition("::")[2], first))
 
 
 def grade(
@@ -294,7 +397,8 @@ def grade(
 ) -> list[Score]:
     """Run tests/exercises against `kind` and return one Score per exercise (never raises).
 
-    `names` limits the run to some exercises (default: all of them).
+    `names` limits the run to some exercises (default: all of them). An exercise file that
+    uses solutions/ gets no passed tests: what passed was the reference.
     """
     import pytest
 
@@ -311,11 +415,29 @@ def grade(
             pytest.main(args, plugins=[collector])
         finally:
             sys.stdout = saved
-    return [collector.scores.get(name, Score(name)) for name in names]
+    scores = [collector.scores.get(name, Score(name)) for name in names]
+    for s in scores if kind == "exercises" else []:
+        s.borrowed = borrowed(ROOT / "exercises" / f"{s.exercise}.py")
+        if s.borrowed:
+            s.failed, s.passed = s.total, 0
+    return scores
+
+
+def short(name: str) -> str:
+    """The shortest name that selects exercise `name` alone: "l04", or the full name."""
+    prefix = name.split("_")[0]
+    return prefix if [n for n in exercise_names() if n.split("_")[0] == prefix] == [name] else name
+
+
+SHOWN = 5  # failing tests listed per exercise; the rest are counted
+
+
+def _clip(text: str, width: int = 110) -> str:
+    return text if len(text) <= width else text[: width - 1] + "…"
 
 
 def table(scores: list[Score]) -> str:
-    """The score table `make grade` prints."""
+    """The score table `make grade` prints, then what failed in each exercise in progress."""
     lines = [f"{'exercise':<26} {'passed':>6} {'tests':>6}  status", "-" * 52]
     for s in scores:
         lines.append(f"{s.exercise:<26} {s.passed:>6} {s.total:>6}  {s.status}")
@@ -324,6 +446,17 @@ def table(scores: list[Score]) -> str:
         "-" * 52,
         f"{'total':<26} {passed:>6} {total:>6}  {100 * passed / max(total, 1):.0f}%",
     ]
+    for s in scores:
+        if s.status not in ("in progress", "uses solutions/"):
+            continue
+        lines += ["", f"{s.exercise}: {s.failed} of {s.total} tests fail"]
+        if s.borrowed:
+            lines.append(f"    it uses solutions/ ({s.borrowed[0]}): the reference, not yours")
+        for test, message in s.failures[:SHOWN]:
+            lines.append(_clip(f"    {test}: {(message.splitlines() or [''])[0]}"))
+        if len(s.failures) > SHOWN:
+            lines.append(f"    ... and {len(s.failures) - SHOWN} more")
+        lines.append(f"    grade it alone: make grade EX={short(s.exercise)}")
     if passed < total:
         lines += [
             "",
@@ -332,6 +465,15 @@ def table(scores: list[Score]) -> str:
             "or, in Python or a notebook: from tpedu.grading import hint; hint('l03', 1)",
         ]
     return "\n".join(lines)
+
+
+USAGE = """usage: python -m tpedu.course.grading [exercises|solutions] [NAME ...] [--json]
+       python -m tpedu.course.grading hint NAME [LEVEL]
+
+Grades exercises/ (or solutions/) with tests/exercises and prints a score table, then the
+failing tests of each exercise in progress. NAME picks exercises: the full name
+(l04_parallel_linear) or the lesson (l04; l12 grades both of lesson 12's). `make grade EX=l04`
+runs the same. `hint NAME LEVEL` prints one hint (levels 1, 2, 3, ...)."""
 
 
 def _hint_command(args: list[str]) -> int:
@@ -350,16 +492,32 @@ def _hint_command(args: list[str]) -> int:
     return 0
 
 
+def select(args: list[str]) -> list[str]:
+    """The exercises `args` name: full names, or lesson prefixes ("l04", "l12": both of its)."""
+    names, found = exercise_names(), []
+    for a in args:
+        match = [a] if a in names else [n for n in names if n.split("_")[0] == a]
+        if not match:
+            raise ValueError(f"unknown exercise {a!r}; choose from {names} or their lessons (l04)")
+        found += [n for n in match if n not in found]
+    return found
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "hint":
         return _hint_command(argv[1:])
+    if {"-h", "--help"} & set(argv):
+        print(USAGE)
+        return 0
     kind = argv[0] if argv and argv[0] in KINDS else "exercises"
-    unknown = [a for a in argv if a not in KINDS and a != "--json" and a not in exercise_names()]
-    if unknown:
-        print(f"unknown exercise(s) {unknown}; choose from {exercise_names()}", file=sys.stderr)
+    rest = [a for a in argv[1 if argv and argv[0] in KINDS else 0 :] if a != "--json"]
+    try:
+        names = select(rest)
+    except ValueError as e:
+        print(f"{e}\n\n{USAGE}", file=sys.stderr)
         return 2
-    scores = grade(kind, names=[a for a in argv if a in exercise_names()] or None)
+    scores = grade(kind, names=names or None)
     if "--json" in argv:
         print(json.dumps([asdict(s) | {"total": s.total, "status": s.status} for s in scores]))
     else:

@@ -10,17 +10,25 @@ the check that fails, and lists the code that ran; nothing it prints names the b
 
 In exercises/l16_bug_hunt.py, `case_k()` returns (the name of the suspect you found wrong, as
 `suspects(k)` heads it; your rewrite of it). `check` says "closed" only when that function of
-yours passes the check where the broken run failed; while case_k still raises
-NotImplementedError it says "not written yet" (and, if pick put the reference's case_k in, that
-the reference fix ran). `case`, `check` launch their ranks themselves; `run_case` is the worker.
+yours passes the check where the broken run failed, passes it on runs the case never shows
+(other shapes, layouts, seeds), and keeps tpedu without the bug passing; while case_k still
+raises NotImplementedError it says "not written yet" (and, if pick put the reference's case_k
+in, that the reference fix ran). `case`, `check` launch their ranks themselves; `run_case` is
+the worker.
+
+A fix is judged by what it does. While it runs, tpedu's own function is the broken one wherever
+it is reached: its code object is replaced (tpedu.course.mutation), so a wrapper or an alias of
+it runs the bug, and a fix that calls it is refused by name.
 """
 
 from __future__ import annotations
 
+import functools
 import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from types import ModuleType
+from pathlib import Path
+from types import CodeType, FunctionType, MethodType, ModuleType
 from typing import TYPE_CHECKING
 
 from tpedu.course import bugzoo, grading
@@ -49,6 +57,7 @@ __all__ = [
 ]
 
 EXERCISE = "exercises/l16_bug_hunt.py"
+PACKAGE = Path(__file__).resolve().parents[1]  # tpedu/
 
 
 def numbers() -> range:
@@ -85,26 +94,50 @@ class Report:
 # ------------------------------------------------------------------------------ on every rank
 
 
+def _raised(e: Exception) -> tuple[bool, str]:
+    msg = str(e).splitlines()[0][:160] if str(e) else ""
+    return False, f"your function raised {type(e).__name__}: {msg}"
+
+
 def run_case(
-    k: int, fix: tuple[str, Callable] | None = None, show: bool = True
+    k: int, fix: tuple[str, Callable] | None = None, show: bool = True, unseen: bool = False
 ) -> dict[str, object]:
     """Worker body, on every rank of case k's launch, with the case's bug in place:
-    {"shown": the Observation (show=True), "broken": the check's (ok, detail), "fixed": the same
-    with `fix` = (suspect name, function) in place of that suspect (None without a fix)}."""
+    {"shown": the Observation (show=True), "broken": the check's (ok, detail), "unseen": the
+    case's runs on inputs it never shows, under the bug (unseen=True, else None), "fixed": the
+    verdict on `fix` = (suspect name, function) in place of that suspect (None without a fix),
+    "reached": how often the fix ran tpedu's own function of that name}.
+
+    The fix passes when, with it in place, the shown check and the unseen runs pass under the
+    bug and the shown check passes on tpedu without the bug, and it never ran tpedu's own
+    function (under the bug, the broken one)."""
     case = _case(k)
-    out: dict[str, object] = {"shown": None, "fixed": None}
+    out: dict[str, object] = {"shown": None, "fixed": None, "unseen": None, "reached": 0}
     with case.edit.patch():
         out["shown"] = case.observe() if show else None
         out["broken"] = case.check()
-        if fix is not None:
-            name, fn = fix
-            suspect = next(s for s in case.suspects(k) if s.name == name)
-            try:
-                with suspect.install(fn):
-                    out["fixed"] = case.check()
-            except Exception as e:  # the learner's code: report it as the check's failure
-                msg = str(e).splitlines()[0][:160] if str(e) else ""
-                out["fixed"] = (False, f"your function raised {type(e).__name__}: {msg}")
+        out["unseen"] = case.unseen() if unseen else None
+    if fix is None:
+        return out
+    name, fn = fix
+    suspect = next(s for s in case.suspects(k) if s.name == name)
+    verdicts, trips = [], []
+    try:
+        with case.edit.patch(), suspect.install(fn) as calls:
+            trips.append(calls)
+            verdicts += [case.check(), case.unseen()]
+        with suspect.install(fn) as calls:  # no bug: a fix must keep tpedu right
+            trips.append(calls)
+            ok, detail = case.check()
+        if not ok:  # a rewrite that only makes up for the bug elsewhere breaks healthy tpedu
+            verdicts.append((ok, f"without the bug: {detail}"))
+    except Exception as e:  # the learner's code: report it as the check's failure
+        verdicts.append(_raised(e))
+    out["reached"] = reached = sum(t.calls for t in trips)
+    if reached:
+        out["fixed"] = (False, f"your {name} called tpedu's own {name}, the code under suspicion")
+    else:
+        out["fixed"] = (all(ok for ok, _ in verdicts), "; ".join(d for _, d in verdicts))
     return out
 
 
@@ -145,6 +178,7 @@ def verdict(k: int, by: str, per_rank: list[dict], name: str = "") -> Report:
         return Report(text, False)
     broke = not all(r["broken"][0] for r in per_rank)
     fixed = all(r["fixed"][0] for r in per_rank)
+    reached = any(r.get("reached") for r in per_rank)
     lines = _verdicts(per_rank, "broken", "broken") + _verdicts(
         per_rank, "fixed", "your fix" if by == "yours" else "reference"
     )
@@ -158,9 +192,17 @@ def verdict(k: int, by: str, per_rank: list[dict], name: str = "") -> Report:
             "stays open until yours passes."
         )
         return Report("\n".join([head, *lines]), fixed)
-    closed = broke and fixed
+    closed = broke and fixed and not reached
     if closed:
-        head = f"Case {k} closed: with your {name}, the check passes where the broken run failed."
+        head = (
+            f"Case {k} closed: with your {name}, the check passes where the broken run failed, "
+            "and on runs you have not seen."
+        )
+    elif reached:
+        head = (
+            f"Case {k} still open: your {name} calls tpedu's own {name}, and here that is the "
+            f"code under suspicion. A fix is your own rewrite of {name}: write its body."
+        )
     else:
         head = f"Case {k} still open: with your {name}, the check still fails."
     return Report("\n".join([head, *lines]), fixed, closed)
@@ -196,18 +238,70 @@ def suspects(k: int) -> str:
     found = c.suspects(k)
     head = (
         f"Case {k}: {len(found)} functions that ran on the failing path, each as it ran. One of "
-        "them is wrong. (It is wrong only while the case runs: tpedu's files hold the working "
-        "code, so read these, not the files.) Your fix: in "
+        "them is wrong. Your fix: in "
         f'{EXERCISE}, case_{k}() returns ("<the name it is headed with>", your rewrite of it: '
         "same arguments, same contract)."
     )
     parts = [textwrap.fill(head, 100)]
     for s in found:
         source = c.edit.source() if s == c.edit.suspect else s.source()
-        path, line = s.where()
-        shown = f"# ── {s.name} · {path}, line {line} · reads from its module: {_reads(s, source)}"
+        shown = f"# ── {s.name} · reads from its module: {_reads(s, source)}"
         parts += ["", shown, source.rstrip()]
     return "\n".join(parts)
+
+
+def _calls_own(fn: object, target: FunctionType, depth: int = 4) -> bool:
+    """Whether `fn` is `target`, or reaches it without a call to run: through a method or
+    staticmethod, functools.partial or wraps, a closure, a default, or a name its code (or a
+    function it reads, `depth` deep) reads from its globals; or whether it holds target's code."""
+    seen: set[int] = set()
+    stack: list[tuple[object, int]] = [(fn, depth)]
+    while stack:
+        obj, left = stack.pop()
+        if id(obj) in seen or left < 0:
+            continue
+        seen.add(id(obj))
+        if obj is target or obj is target.__code__:
+            return True
+        if isinstance(obj, (staticmethod, classmethod, MethodType)):
+            stack.append((obj.__func__, left))
+        elif isinstance(obj, functools.partial):
+            stack += [(obj.func, left), *((a, left) for a in obj.args)]
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            stack += [(x, left) for x in obj]
+        elif isinstance(obj, dict):
+            stack += [(x, left) for x in obj.values()]
+        elif isinstance(obj, CodeType):
+            own = target.__code__  # its code under another name is still its code
+            where = (obj.co_filename, obj.co_firstlineno, obj.co_code)
+            if where == (own.co_filename, own.co_firstlineno, own.co_code):
+                return True
+            stack += [(c, left) for c in obj.co_consts if isinstance(c, CodeType)]
+        elif isinstance(obj, FunctionType):
+            stack.append((obj.__code__, left))
+            if _tpedus(obj.__code__):  # tpedu's others call the name, which holds the fix
+                continue
+            stack += [(c.cell_contents, left) for c in obj.__closure__ or () if _full(c)]
+            stack += [(d, left) for d in (obj.__defaults__ or ())]
+            stack += [(d, left) for d in (obj.__kwdefaults__ or {}).values()]
+            if hasattr(obj, "__wrapped__"):
+                stack.append((obj.__wrapped__, left))
+            names = globals_read(obj.__code__, obj.__globals__)
+            stack += [(obj.__globals__[n], left - 1) for n in names]
+    return False
+
+
+def _tpedus(code: CodeType) -> bool:
+    """Whether the code was compiled from one of tpedu's files (its __module__ can be copied)."""
+    return Path(code.co_filename).resolve().is_relative_to(PACKAGE)
+
+
+def _full(cell: object) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018 (an empty cell raises)
+    except ValueError:
+        return False
+    return True
 
 
 def fix_of(k: int, make: Callable[[], object]) -> tuple[str, Callable]:
@@ -227,6 +321,12 @@ def fix_of(k: int, make: Callable[[], object]) -> tuple[str, Callable]:
     suspect = next(s for s in _case(k).suspects(k) if s.name == name)
     if getattr(fn, "__func__", fn) is suspect.original:
         raise ValueError(f"case_{k}() returned tpedu's own {name}, not your rewrite of it")
+    if _calls_own(fn, suspect.original):
+        raise ValueError(
+            f"case_{k}() returned a function that calls tpedu's own {name} (or runs its code): "
+            f"while the case runs, that is the code under suspicion. Return your rewrite of "
+            f"{name}, its body written out."
+        )
     return name, fn
 
 

@@ -7,6 +7,10 @@ and the suspects: functions that ran on the failing path, the edited one among t
 shuffled order. What a learner reads (tpedu.course.hunt prints it) names no bug; the rest of a
 case (its bug, `secrets`, `explain`) is the answer key, printed only by `hunt.answer(k)`.
 
+A fix is judged on more than the run a learner saw: `unseen` runs the same contract on inputs
+the case never shows (other shapes, vocabularies, layouts, seeds, schedules), so a rewrite that
+only matches the shown run stays open.
+
 Observations run on every rank of a launch, under the bug, and return rank 0's `Observation`.
 """
 
@@ -21,6 +25,16 @@ import torch.distributed as dist
 
 from tpedu.comm.device import device
 from tpedu.course import bugzoo
+from tpedu.course.hunt_checks import (
+    check_schedule,
+    every_rank,
+    unseen_gradients,
+    unseen_groups,
+    unseen_heads,
+    unseen_schedules,
+    unseen_tokens,
+    unseen_vocab,
+)
 from tpedu.course.mutation import Suspect
 from tpedu.course.troubleshoot import compare_with_dense
 from tpedu.model.dense import DenseGPT
@@ -55,6 +69,8 @@ class Case:
     ran: tuple[tuple[object, str], ...]  # the suspects, before the fixed shuffle
     secrets: tuple[str, ...]  # words that would give the bug away (tests keep them unprinted)
     explain: str  # the answer: why the edit shows as it does
+    unseen: Callable[[], tuple[bool, str]]  # on every rank: the contract on inputs never shown
+    own_check: Callable[[], tuple[bool, str]] | None = None  # instead of the zoo bug's check
 
     def __repr__(self) -> str:  # the fields hold the answer
         return f"Case({self.story!r})"
@@ -68,8 +84,9 @@ class Case:
         return bugzoo.BUGS[self.bug].world
 
     def check(self) -> tuple[bool, str]:
-        """The zoo's check of this case's bug, on this rank."""
-        return bugzoo.BUGS[self.bug].check()
+        """The check the case shows (the zoo's check of its bug unless the case has its own),
+        on this rank."""
+        return (self.own_check or bugzoo.BUGS[self.bug].check)()
 
     def suspects(self, number: int) -> list[Suspect]:
         """The functions that ran, in the order case `number` shows them (fixed, shuffled)."""
@@ -110,12 +127,6 @@ def _step0(config: object, group: object = None, seed: int = 1) -> str:
     return compare_with_dense(config, group, *bugzoo.example_batch(config, seed)).summary()
 
 
-def _every_rank(line: str) -> list[str]:
-    lines: list = [None] * dist.get_world_size()
-    dist.all_gather_object(lines, line)
-    return lines
-
-
 def _see_gqa() -> Observation:
     c, rank = bugzoo.LLAMA, dist.get_rank()
     pairs = [dist.new_group([i, i + 1]) for i in range(0, dist.get_world_size(), 2)]
@@ -135,7 +146,7 @@ def _see_pipeline() -> Observation:
     acts = pipeline.schedule("1f1b", 2, 2, stage)
     line = f"  stage {stage} (rank {stage}): " + " ".join(f"{k}{mb}" for k, mb in acts)
     head = "what each stage runs, in order (F2 = forward of micro-batch 2, B2 = its backward):"
-    return Observation("\n".join([head, *_every_rank(line)]))
+    return Observation("\n".join([head, *every_rank(line)]))
 
 
 def _see_vocab() -> Observation:
@@ -156,9 +167,9 @@ def _see_mesh() -> Observation:
     c, rank = bugzoo.GPT2, dist.get_rank()
     wide = mesh.Mesh(mesh.Layout(tp=dist.get_world_size()))  # tp 4 × dp 1
     dense = DenseGPT(c)
-    held = _every_rank(str(sum(p.numel() for p in TPGPT(dense, wide.tp_group).parameters())))
+    held = every_rank(str(sum(p.numel() for p in TPGPT(dense, wide.tp_group).parameters())))
     m = mesh.Mesh(mesh.Layout(tp=2, pp=1, dp=2))
-    step0 = _every_rank(
+    step0 = every_rank(
         f"    rank {rank} (replica {m.dp_rank}): {_step0(c, m.tp_group, 1 + m.dp_rank)}"
     )
     text = [
@@ -226,13 +237,17 @@ CASES: list[Case] = [
         "and 2 attend with the other group's keys and values. At tp = 2 = nkv the replica branch "
         "never runs, which is why tp=2 matched. Megatron-LM and picotron refuse this layout "
         "(they assert nkv % tp == 0); vLLM and SGLang replicate, as tpedu does.",
+        unseen=unseen_heads,
     ),
     Case(
         "pipeline_warmup_reversed",
         "A model split into 2 pipeline stages (one rank each) starts its first step on 2 "
         "micro-batches and never finishes it.",
         _see_pipeline,
-        "2 stages, 2 micro-batches: the step must finish (a receive waits at most 1 s)",
+        "2 stages, 2 micro-batches: each stage's order must keep at most p - s micro-batches in "
+        "flight on stage s of p, forward and backward each in micro-batch order, a backward as "
+        "soon as that many are in flight (a forward while fewer are); and the step must finish "
+        "(a receive waits at most 3 s)",
         (
             (schedules, "schedule"),
             (schedules, "one_f_one_b"),
@@ -246,7 +261,11 @@ CASES: list[Case] = [
         "gradient of micro-batch 0) while stage 1 runs F0 F1 (and waits for the activation of "
         "micro-batch 1). Nobody sends; each waits for the other. run_schedule's recv_timeout "
         "turned the hang into the error that named both sides; without it the job sits at 100 % "
-        "until NCCL's watchdog kills it.",
+        "until NCCL's watchdog kills it. A schedule that only finishes is not 1F1B either: GPipe's "
+        "order (all forwards, then all backwards) finishes too, with m micro-batches in flight "
+        "on every stage, and the check refuses it.",
+        unseen=unseen_schedules,
+        own_check=check_schedule,
     ),
     Case(
         "padded_vocab_unmasked",
@@ -268,6 +287,7 @@ CASES: list[Case] = [
         "nothing is padded, so nothing changes: the check that finds this bug must use a "
         "vocabulary tp does not divide. Megatron-LM pads the vocabulary "
         "(make_vocab_size_divisible_by) and masks the padding the same way.",
+        unseen=unseen_vocab,
     ),
     Case(
         "seed_tp_groups",
@@ -291,6 +311,7 @@ CASES: list[Case] = [
         "model on every rank: the right loss, no memory saved (the seed's own layers, sized by "
         "a fixed tp_size, all-reduce over one rank and are wrong from step 0). At tp 2 × dp 2 "
         "the 'TP group' holds two data replicas with different batches, and the loss is wrong.",
+        unseen=unseen_groups,
     ),
     Case(
         "no_backward_all_reduce",
@@ -319,6 +340,7 @@ CASES: list[Case] = [
         "from step 1. The seed lists it first among the bugs it has seen (§5.3): "
         "列并行层反向忘了AllReduce输入梯度 (the column-parallel layer forgets to all-reduce its "
         "input gradient); Megatron-LM's copy_to_tensor_model_parallel_region is this operator.",
+        unseen=unseen_gradients,
     ),
     Case(
         "argmax_one_shard",
@@ -328,8 +350,8 @@ CASES: list[Case] = [
         (
             (vocab_parallel, "vocab_parallel_argmax"),
             (vocab_parallel, "vocab_parallel_sample"),
-            (vocab_parallel, "_mask_padding"),
             (vocab_parallel, "_shard_info"),
+            (vocab_parallel, "vocab_parallel_cross_entropy"),
         ),
         ("argmax_one_shard", "vocab_parallel_argmax", "argmax", "one shard", "shard's best"),
         "Each rank holds the logits of its own vocabulary columns. The edit returns the best "
@@ -339,11 +361,13 @@ CASES: list[Case] = [
         "never takes an argmax, so the loss and gradients are exact. The seed's §5.5: "
         "直接拿分片的logits做argmax会得到错误token (an argmax over one shard's logits gives the "
         "wrong token).",
+        unseen=unseen_tokens,
     ),
 ]
 
 
-def unhunted() -> list[str]:
-    """The zoo's bugs that no case is built on, in the zoo's order."""
+def unhunted(later: bool = False) -> list[str]:
+    """The zoo's bugs that no case is built on, in the zoo's order; `later`: with those of what
+    the course teaches after this lesson (bugzoo.LATER)."""
     hunted = {c.bug for c in CASES}
-    return [n for n in bugzoo.BUGS if n not in hunted]
+    return [n for n in bugzoo.BUGS if n not in hunted and (later or n not in bugzoo.LATER)]

@@ -13,6 +13,12 @@ block; `diff()` is the edit as a unified diff.
 
 `Suspect` is any function that runs on a path, broken or not: its source (the edited one when a
 mutation is given) and the names it reads from its module, for a reader who rewrites it.
+`install(fn)` puts a rewrite in its place, everywhere tpedu refers to it, and reports whether
+the rewrite itself ever ran tpedu's own function (which, under a mutation, runs broken).
+
+Both work on the function object itself, not only on the name: a mutation swaps the function's
+code, so every reference to it (an alias imported elsewhere, a wrapper that calls it) runs the
+edited code, as an edit of the file would make it.
 """
 
 from __future__ import annotations
@@ -21,11 +27,13 @@ import __future__
 import contextlib
 import difflib
 import inspect
+import itertools
+import sys
 import textwrap
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from types import FunctionType, ModuleType
+from types import CodeType, FunctionType, ModuleType
 
 ROOT = Path(__file__).resolve().parents[2]  # the directory above tpedu/: paths print from here
 FLAGS = __future__.annotations.compiler_flag  # tpedu's modules defer their annotations
@@ -59,6 +67,69 @@ def _raw(owner: object, attr: str) -> tuple[FunctionType, type | None]:
 
 def _module_of(owner: object) -> ModuleType:
     return owner if isinstance(owner, ModuleType) else inspect.getmodule(owner)
+
+
+@contextlib.contextmanager
+def swapped_code(
+    fn: FunctionType, code: CodeType, defaults: tuple | None, kwdefaults: dict | None
+) -> Iterator[None]:
+    """Run `code` (with these defaults) whenever the function object `fn` is called, for the
+    block: every reference to `fn` (its module's name, an alias, a closure) runs it."""
+    if len(code.co_freevars) != len(fn.__closure__ or ()):
+        raise ValueError(f"{fn.__name__}: the new code needs {code.co_freevars}, not a closure")
+    old = fn.__code__, fn.__defaults__, fn.__kwdefaults__
+    # Defaults first: CPython binds them against the code's parameters at each call.
+    fn.__defaults__, fn.__kwdefaults__ = None, None
+    fn.__code__ = code
+    fn.__defaults__, fn.__kwdefaults__ = defaults, kwdefaults
+    try:
+        yield
+    finally:
+        fn.__defaults__, fn.__kwdefaults__ = None, None
+        fn.__code__ = old[0]
+        fn.__defaults__, fn.__kwdefaults__ = old[1], old[2]
+
+
+@dataclass
+class Reached:
+    """How often tpedu's own function ran (through any reference) while a rewrite was in place."""
+
+    calls: int = 0
+    impl: Callable | None = field(default=None, repr=False)  # what it runs meanwhile
+
+
+_TRIPS: dict[int, Reached] = {}
+_KEYS = itertools.count()
+
+
+def _trip(key: int, args: tuple, kwargs: dict) -> object:
+    """What tpedu's own function runs while a rewrite is installed: count, then run as before."""
+    reached = _TRIPS[key]
+    reached.calls += 1
+    return reached.impl(*args, **kwargs)
+
+
+def _tripwire(name: str, key: int) -> CodeType:
+    """The code of a function `name(*args, **kwargs)` that calls _trip(key, args, kwargs). It
+    reads no globals (the builtin __import__ only), so it runs in any function's module."""
+    src = (
+        f"def {name}(*args, **kwargs):\n"
+        f"    return __import__('tpedu.course.mutation', fromlist=['_trip'])._trip({key}, args, "
+        "kwargs)\n"
+    )
+    module = compile(src, f"<tpedu's own {name}>", "exec")
+    return next(c for c in module.co_consts if isinstance(c, CodeType))
+
+
+def tpedu_aliases(fn: FunctionType) -> list[tuple[ModuleType, str]]:
+    """(module, name) for every tpedu module that holds `fn` under a name of its own (imported
+    with `from ... import`), besides the one that defines it."""
+    out = []
+    for mod_name, mod in list(sys.modules.items()):
+        if mod is None or not (mod_name == "tpedu" or mod_name.startswith("tpedu.")):
+            continue
+        out += [(mod, n) for n, v in list(vars(mod).items()) if v is fn]
+    return out
 
 
 @dataclass(frozen=True)
@@ -96,10 +167,35 @@ class Suspect:
         """tpedu's source of it, dedented (a method: as it reads inside its class)."""
         return textwrap.dedent(inspect.getsource(self.original))
 
-    def install(self, fn: Callable) -> contextlib.AbstractContextManager:
-        """A block in which owner.attr is `fn` (wrapped as the original is)."""
-        wrap = self.wrapper
-        return patched(self.owner, self.attr, wrap(fn) if wrap else fn)
+    @contextlib.contextmanager
+    def install(self, fn: Callable) -> Iterator[Reached]:
+        """A block in which tpedu runs `fn` in place of this function: owner.attr (wrapped as the
+        original is) and every tpedu module's alias of it. tpedu's own function object keeps
+        running what it ran before (the broken code, under a mutation), and the `Reached` it
+        yields counts its calls: nothing in tpedu calls it any more, so a call came from `fn`
+        (a wrapper, an alias, a captured reference)."""
+        original, wrap = self.original, self.wrapper
+        reached = Reached()
+        reached.impl = FunctionType(
+            original.__code__,
+            original.__globals__,
+            original.__name__,
+            original.__defaults__,
+            original.__closure__,
+        )
+        reached.impl.__kwdefaults__ = original.__kwdefaults__
+        key = next(_KEYS)
+        _TRIPS[key] = reached
+        with contextlib.ExitStack() as stack:
+            stack.callback(_TRIPS.pop, key)
+            for module, name in tpedu_aliases(original):
+                if (module, name) != (self.owner, self.attr):
+                    stack.enter_context(patched(module, name, fn))
+            stack.enter_context(patched(self.owner, self.attr, wrap(fn) if wrap else fn))
+            stack.enter_context(
+                swapped_code(original, _tripwire(original.__name__, key), None, None)
+            )
+            yield reached
 
 
 def globals_read(code: object, namespace: dict) -> list[str]:
@@ -152,8 +248,10 @@ class Mutation:
         return fn.__func__ if isinstance(fn, (staticmethod, classmethod)) else fn
 
     def patch(self) -> contextlib.AbstractContextManager:
-        """A block that runs tpedu with the edit in place."""
-        return self.suspect.install(self.function())
+        """A block that runs tpedu with the edit in place: tpedu's function object runs the
+        edited code, wherever it is referred to from."""
+        fn = self.function()
+        return swapped_code(self.suspect.original, fn.__code__, fn.__defaults__, fn.__kwdefaults__)
 
     def diff(self) -> str:
         """The edit as a unified diff: tpedu's lines, then the lines that ran."""

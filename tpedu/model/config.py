@@ -69,7 +69,7 @@ class GPTConfig(Widths):
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     seed: int = 0  # dropout masks
-    # Mixture of experts (tpedu.moe, lesson 19): 0 experts keeps every MLP dense.
+    # Mixture of experts (tpedu.moe, lesson 18): 0 experts keeps every MLP dense.
     experts: int = 0  # routed experts of each MoE layer
     top_k: int = 2  # experts per token: 1 (Switch) or 2 (GShard, Mixtral)
     moe_every: int = 1  # layer i is an MoE layer when (i + 1) % moe_every == 0

@@ -32,7 +32,7 @@ def make_norm(config: GPTConfig) -> nn.Module:
 
 
 def make_mlp(config: GPTConfig, layer: int, seed: int) -> DenseMLP | DenseMoE:
-    """Block `layer`'s MLP: a DenseMLP, or a DenseMoE on the config's MoE layers (lesson 19;
+    """Block `layer`'s MLP: a DenseMLP, or a DenseMoE on the config's MoE layers (lesson 18;
     its experts draw no dropout mask, as Mixtral's and DeepSeek's train without one)."""
     if config.is_moe_layer(layer):
         return DenseMoE(

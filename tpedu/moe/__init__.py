@@ -1,4 +1,4 @@
-"""Lesson 19: mixtures of experts and expert parallelism: a router sends each token to k of E
+"""Lesson 18: mixtures of experts and expert parallelism: a router sends each token to k of E
 expert MLPs; expert parallelism puts the experts on different ranks and moves the tokens.
 
     router           top-k gate, capacity and GShard's drop priority, load-balancing and z-losses

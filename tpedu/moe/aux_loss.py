@@ -1,4 +1,4 @@
-"""Lesson 19: how a layer's auxiliary losses reach backward without travelling with the output.
+"""Lesson 18: how a layer's auxiliary losses reach backward without travelling with the output.
 
 A GPT's MoE layers each compute a load-balancing loss and a z-loss (tpedu.moe.router). Adding
 them to the language-model loss would carry one scalar per layer through every block after it,

@@ -1,4 +1,4 @@
-"""Lesson 19: DenseMoE, the single-process mixture of experts that expert parallelism is held
+"""Lesson 18: DenseMoE, the single-process mixture of experts that expert parallelism is held
 against: every expert on this process, no communication.
 
     x [..., H] ─► router ─► top-k experts and weights per token ─► capacity (drop the overflow)

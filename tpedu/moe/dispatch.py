@@ -1,4 +1,4 @@
-"""Lesson 19: moving tokens to their experts and back: all-to-alls of variable sizes, as
+"""Lesson 18: moving tokens to their experts and back: all-to-alls of variable sizes, as
 autograd Functions.
 
 How many tokens go where is known only after routing, and differs per rank and per step, so

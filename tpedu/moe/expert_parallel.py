@@ -1,4 +1,4 @@
-"""Lesson 19: expert parallelism: the experts split over the EP ranks, each token sent to the
+"""Lesson 18: expert parallelism: the experts split over the EP ranks, each token sent to the
 rank of its expert and back (GShard, Switch; Megatron-core, torchtitan).
 
 EP is carved from the data-parallel ranks: every EP rank holds DIFFERENT tokens, the router

@@ -1,4 +1,4 @@
-"""Lesson 19: the router of a mixture of experts: which experts each token goes to, with which
+"""Lesson 18: the router of a mixture of experts: which experts each token goes to, with which
 weight, how many fit, and the two auxiliary losses that keep the router healthy.
 
     x [T, H] ─gate (H -> E, no bias)─► logits [T, E] ─softmax─► probs [T, E] ─top-k─► experts [T, k]

@@ -103,7 +103,7 @@ class DataParallel(GradientSync):
     `events`: set it to a list to record ("launch <bucket>", perf_counter()) per all-reduce
     started and ("finish", ...), ("finished", ...) around finish() (lesson 12's timeline).
 
-    Expert parallelism (lesson 19): `experts` (parameters of the experts this rank holds) go in
+    Expert parallelism (lesson 18): `experts` (parameters of the experts this rank holds) go in
     buckets of their own, summed over `expert_group` (the expert-data-parallel group: the DP
     ranks holding the same experts) and divided by the whole DP size, as Megatron-core does: the
     all-to-all's backward has already summed every EP rank's tokens into them.

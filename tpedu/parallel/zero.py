@@ -287,7 +287,7 @@ class ShardedDataParallel(GradientSync):
     `gather_dtype` (e.g. torch.bfloat16): all-gather the parameters in it, half the bytes, the
     replicas' parameters then rounded to it (AdamW's fp32 shards are not); `prefetch`
     (ZeRO-3): start the neighbouring block's all-gather early (False: only when it is needed).
-    `experts` (expert parallelism, lesson 19): parameters of this rank's experts, in buffers of
+    `experts` (expert parallelism, lesson 18): parameters of this rank's experts, in buffers of
     their own sharded over `expert_group` (the ranks holding the same experts), their gradient
     sums divided by the whole DP size as DataParallel's are.
 

@@ -80,8 +80,9 @@ def check_heads(n_heads: int, n_kv_heads: int | None, tp: int) -> None:
 def local_heads(n_heads: int, n_kv_heads: int, tp: int, rank: int) -> tuple[list[int], list[int]]:
     """(query heads, KV heads) that `rank` computes, as global head indices.
 
-    Query heads: [r·nq/t, (r+1)·nq/t). KV heads: [r·nkv/t, (r+1)·nkv/t) if t <= nkv, else the
-    single head r // (t/nkv) (a replica shared with t/nkv - 1 other ranks).
+    Query heads: [r·nq/t, (r+1)·nq/t). KV heads: exactly the ones those query heads read (query
+    head h reads KV head h // (nq/nkv)): [r·nkv/t, (r+1)·nkv/t) if t <= nkv, else the single
+    head they share (a replica: t/nkv ranks hold it).
     """
     check_heads(n_heads, n_kv_heads, tp)
     if not 0 <= rank < tp:

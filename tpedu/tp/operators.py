@@ -42,13 +42,14 @@ class CopyToTPRegion(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+        # x as it is (a view): every rank of the group uses all of it.
         ctx.group = group
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        # Each rank holds dL/dx through its own shard only; the true gradient is their sum.
-        # Clone: autograd may hand the same buffer to other nodes, never modify it in place.
+        # dL/dx is the sum over the group of each rank's part (each rank used all of x through
+        # its own shard); a new tensor: autograd may hand `grad` to other nodes as well.
         grad = grad.contiguous().clone()
         collectives.all_reduce(grad, ctx.group)
         return grad, None
@@ -65,7 +66,8 @@ class ReduceFromTPRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        # The output is the same on every rank, so is its gradient: each partial sum gets it all.
+        # dL/dx: the output is the same on every rank, so is its gradient; each rank's partial
+        # sum gets all of it, as it is.
         return grad, None
 
 

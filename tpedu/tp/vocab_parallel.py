@@ -49,7 +49,8 @@ def _shard_info(
 
 
 def _mask_padding(logits_shard: torch.Tensor, start: int, vocab_size: int) -> torch.Tensor:
-    """The shard with columns whose global id >= vocab_size set to -inf (a copy if any)."""
+    """The shard with -inf in its padding columns, the ones past the last token id
+    (vocab_size - 1); a copy if it has any."""
     n = logits_shard.shape[-1]
     if start + n <= vocab_size:
         return logits_shard
@@ -165,10 +166,8 @@ def gather_logits(
 def vocab_parallel_argmax(
     logits_shard: torch.Tensor, vocab_size: int, group: dist.ProcessGroup | None = None
 ) -> torch.Tensor:
-    """The global argmax id [...] from the shards [..., Vp/t], identical on every rank.
-
-    Each rank proposes its best (value, global id); 2 all-gathers of target-size × t elements
-    pick the winner. Ties go to the lowest id, as torch.argmax does on the dense logits.
+    """The id [...] of the largest logit over the whole vocabulary, from the shards [..., Vp/t]:
+    what torch.argmax gives on the dense logits (ties to the lowest id), the same on every rank.
     """
     start, _, _ = _shard_info(logits_shard, vocab_size, group)
     z = _mask_padding(logits_shard.detach(), start, vocab_size)

@@ -9,7 +9,7 @@ on the meta device, with every byte it holds and sends counted and set beside th
     measure          one rank's training step on the meta device, in a fake world (dry_run)
     predict_memory   the ledger's memory for a rank, and each named difference from it
     predict_traffic  the what-if's messages for a rank, group by group, and each difference
-    moe              a mixture of experts' layers: their named terms (lesson 19)
+    moe              a mixture of experts' layers: their named terms (lesson 18)
     compare          every figure beside its prediction
     table            a rank as a table, many ranks as a summary
 
@@ -43,7 +43,7 @@ Two things meta tensors would get wrong, and what is done instead:
   gloo ranks). CUDA's flash kernels save the same kinds of tensors (plus their RNG state).
 - Data-dependent checks (token ids in range) cannot look at values: tpedu.tp's embedding
   and loss skip them for meta tensors.
-- A mixture of experts' router (lesson 19) chooses experts by value, and the all-to-alls'
+- A mixture of experts' router (lesson 18) chooses experts by value, and the all-to-alls'
   sizes follow from its choices. On meta tensors the router still runs (its logits,
   probabilities and top-k are saved as on a real rank), but the dry run assumes *balanced
   routing* for what its choices decide (`tpedu.moe.expert_parallel.balanced_routing`, stated

@@ -17,7 +17,9 @@ PHASE_ORDER = ("forward", "backward", "grad_sync")
 
 @dataclass(frozen=True)
 class Traffic:
-    """One (group, op, phase) line of the tracer's summary for the step."""
+    """One (group, op, phase) line of the tracer's summary for the step: `bytes` are the
+    calls' logical tensors (the tracer's `bytes`), `wire` what this rank put on the wire for
+    them under the ring algorithms (the tracer's `wire_bytes`: tpedu.comm.volumes)."""
 
     group: str
     op: str
@@ -25,6 +27,7 @@ class Traffic:
     calls: int
     elements: int
     bytes: int
+    wire: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -81,6 +84,11 @@ class RankFigures:
     def sent(self, group: str) -> int:
         """Logical bytes of every traced call on `group` during the step."""
         return sum(t.bytes for t in self.traffic if t.group == group)
+
+    def wire(self, group: str | None = None) -> float:
+        """Bytes this rank put on the wire during the step (ring algorithms; a receive sends
+        nothing, a group of one rank moves nothing), on `group` or on every group."""
+        return sum(t.wire for t in self.traffic if group is None or t.group == group)
 
     def comparable(self) -> dict:
         """Everything that a real run and a dry run of the same rank must give equally."""

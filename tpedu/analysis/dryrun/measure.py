@@ -154,7 +154,7 @@ def _moe_blocks(chunk: nn.Module) -> int:
 def traffic_summary(tracer: CommTracer) -> tuple[Traffic, ...]:
     """The tracer's summary as Traffic lines, in a fixed order (group, phase, op)."""
     rows = [
-        Traffic(g, op, ph, calls, numel, nbytes)
+        Traffic(g, op, ph, calls, numel, nbytes, tracer.wire_bytes(op, ph, g))
         for (g, op, ph), (calls, numel, nbytes) in tracer.summary().items()
     ]
 

@@ -1,4 +1,4 @@
-"""Lessons 13–19: a dry run's mixture-of-experts layers (tpedu.moe) beside the ledger and the
+"""Lessons 13–18: a dry run's mixture-of-experts layers (tpedu.moe) beside the ledger and the
 what-if, which count dense MLPs: every difference an MoE layer makes, as named terms.
 
 Routing is assumed balanced (`tpedu.moe.expert_parallel.balanced_routing`: meta tensors have
@@ -214,7 +214,7 @@ def tp_terms(fig: RankFigures, config: GPTConfig, parallel: ParallelConfig) -> l
 
 
 def ep_terms(fig: RankFigures, config: GPTConfig, parallel: ParallelConfig) -> list[Term]:
-    """The EP group's calls (the lesson-19 formulas of tpedu.moe.expert_parallel), per MoE
+    """The EP group's calls (the lesson-18 formulas of tpedu.moe.expert_parallel), per MoE
     layer and micro-batch, and the gradient norm's share."""
     c, e = config, VALUE_BYTES
     n = moe_blocks(config, fig) * fig.micro_batches

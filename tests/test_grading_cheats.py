@@ -1,0 +1,267 @@
+"""Ways of passing without the work, each refused by the grader or the lesson with a clear message.
+
+Every test writes a course of its own in tmp_path (copies of exercises/ and solutions/ with one
+file changed) and points the grader at it; the real exercises/ is never touched.
+
+- a helper written while its caller is not: pick runs the learner's helper through the
+  reference's caller, so a helper that raises raises (it is not credited without running);
+- lesson 04's proof with a column layer that lacks f (no all-reduce of dL/dx in backward): the
+  proof fails and names that cause, instead of printing ✓ from tpedu's own layers;
+- a file that imports solutions/ (a star import, a wrapper, an assignment): the reference, not
+  "yours", in pick's line, in whose() and in the grade.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import tpedu
+from tpedu.course import grading, proofs
+
+ROOT = grading.ROOT
+
+
+@pytest.fixture
+def course(tmp_path, monkeypatch):
+    """A copy of the course's exercises/ and solutions/ in tmp_path, which the grader uses;
+    returns a function that rewrites one exercise file there."""
+    for kind in ("exercises", "solutions"):
+        shutil.copytree(ROOT / kind, tmp_path / kind, ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setattr(grading, "ROOT", tmp_path)
+    monkeypatch.setattr(grading, "HINTS", tmp_path / "exercises" / "hints")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in list(sys.modules):
+        if name.split(".")[0] in ("exercises", "solutions") or name.startswith("picked_"):
+            monkeypatch.delitem(sys.modules, name)
+    monkeypatch.delenv("TPEDU_IMPL", raising=False)
+
+    def write(name, text):
+        (tmp_path / "exercises" / f"{name}.py").write_text(textwrap.dedent(text))
+        return tmp_path / "exercises" / f"{name}.py"
+
+    yield write
+    for name, module in list(sys.modules.items()):  # monkeypatch then restores the real ones
+        if str(getattr(module, "__file__", None) or "").startswith(str(tmp_path)):
+            del sys.modules[name]
+    sys.modules.pop("picked_l04_parallel_linear", None)
+
+
+def _stub(name):
+    return (ROOT / "exercises" / f"{name}.py").read_text(encoding="utf-8")
+
+
+# ---- a helper written, its caller not
+
+
+def test_a_written_helper_runs_through_the_references_caller(course, capsys):
+    """l18: send_counts written (it raises), dispatch not: dispatch is the reference's, and it
+    must call the learner's send_counts, so the learner's error comes out."""
+    text = _stub("l18_expert_dispatch")
+    head, _, rest = text.partition("def send_counts(")
+    body_end = rest.index("\ndef dispatch(")
+    mine = (
+        "def send_counts(kept_per_expert, ep):\n"
+        "    raise RuntimeError('the learner send_counts ran')\n\n"
+    )
+    course("l18_expert_dispatch", head + mine + rest[body_end:])
+    m = grading.pick("l18")
+    line = capsys.readouterr().out
+    assert "yours: send_counts" in line and "reference: " in line and "dispatch" in line
+    assert grading.whose(m, "send_counts") == "yours"
+    assert grading.whose(m, "dispatch") == "reference"
+
+    def run():
+        kept = torch.tensor([2, 1])
+        return m.dispatch(torch.zeros(3, 4), kept)
+
+    with pytest.raises(tpedu.RankError, match="the learner send_counts ran"):
+        tpedu.launch(run, 1)
+
+
+def test_a_written_split_runs_through_the_references_matmul(course, capsys):
+    """l01: split_columns written (wrong on purpose), column_parallel_matmul not: the reference's
+    matmul uses the learner's split, so its result is wrong, and says so."""
+    text = _stub("l01_matmul_split")
+    head, _, rest = text.partition("def split_columns(")
+    body_end = rest.index("\ndef split_rows(")
+    mine = "def split_columns(w, parts):\n    return [w * 0 for _ in range(parts)]\n\n"
+    course("l01_matmul_split", head + mine + rest[body_end:])
+    m = grading.pick("l01")
+    assert "yours: split_columns" in capsys.readouterr().out
+    x, w = torch.ones(2, 3), torch.ones(3, 4)
+    assert m.column_parallel_matmul(x, w, 2).abs().max() == 0  # the learner's zeros ran
+    assert (
+        grading.implementation("l01_matmul_split", "solutions")
+        .column_parallel_matmul(x, w, 2)
+        .equal(x @ w)
+    )  # the reference module itself is untouched
+
+
+# ---- lesson 04's proof runs the learner's layers
+
+_NO_F = """
+import torch.nn.functional as F
+from tpedu.tp.operators import gather_from_tp_region
+
+
+def column_parallel_linear(x, weight, bias, group=None, gather_output=False):
+    y = F.linear(x, weight, bias)  # no f in front: dL/dx is never summed over the ranks
+    return gather_from_tp_region(y, group) if gather_output else y
+
+
+def row_parallel_linear(x, weight, bias, group=None):
+    raise NotImplementedError("l04: write the row-parallel layer")
+"""
+
+
+def test_lesson_04_proof_refuses_a_column_layer_without_f(course, capsys):
+    course("l04_parallel_linear", _NO_F)
+    m = grading.pick("l04")
+    line = capsys.readouterr().out
+    assert "yours: column_parallel_linear" in line and "reference: row_parallel_linear" in line
+    result = tpedu.launch(proofs.mlp_vs_dense, 2, m, "gelu", 6, 16, 2, 3)[0]
+    assert result["calls"] == {"forward": 1, "backward": 0}  # the tracer saw f missing
+    with pytest.raises(AssertionError, match="dL/dx.*claim fails.*\n.*f missing"):
+        proofs.show_mlp(m, result)
+    shown = capsys.readouterr().out
+    assert "your column_parallel_linear" in shown and "dL/dx" not in shown  # no ✓ for it
+
+
+def test_lesson_04_proof_passes_the_reference_and_names_it(monkeypatch, capsys):
+    monkeypatch.setenv("TPEDU_IMPL", "solutions")
+    m = grading.pick("l04")
+    for activation in ("gelu", "swiglu"):
+        proofs.show_mlp(m, tpedu.launch(proofs.mlp_vs_dense, 2, m, activation, 6, 16, 2, 3)[0])
+    out = capsys.readouterr().out
+    assert "the reference's column_parallel_linear, row_parallel_linear:" in out
+    assert "your" not in out and out.count("✓") == 16
+
+
+# ---- solutions/ imported
+
+
+def _star(name):
+    return _stub(name) + f"\nfrom solutions.{name} import *  # noqa\n"
+
+
+def _wrapper(name):
+    return _stub(name) + textwrap.dedent(
+        """
+        from tpedu.course.grading import implementation
+
+
+        def column_parallel_linear(*args, **kwargs):
+            return implementation("l04_parallel_linear", "solutions").column_parallel_linear(
+                *args, **kwargs
+            )
+        """
+    )
+
+
+def _assigned(name):
+    return _stub(name) + textwrap.dedent(
+        """
+        import importlib
+
+        _ref = importlib.import_module("solu" + "tions.l04_parallel_linear")
+        column_parallel_linear = _ref.column_parallel_linear
+        row_parallel_linear = _ref.row_parallel_linear
+        """
+    )
+
+
+@pytest.mark.parametrize("cheat", [_star, _wrapper, _assigned])
+def test_a_file_that_uses_solutions_counts_as_the_reference(course, capsys, monkeypatch, cheat):
+    course("l04_parallel_linear", cheat("l04_parallel_linear"))
+    m = grading.pick("l04")
+    line = capsys.readouterr().out
+    assert "yours: none yet" in line, line
+    assert "reference: column_parallel_linear, row_parallel_linear" in line
+    if cheat is not _assigned:  # named in the line: where the file uses solutions/
+        assert "uses solutions/ (line " in line
+    else:
+        assert "not written in your file" in line
+    assert {grading.whose(m, f) for f in ("column_parallel_linear", "row_parallel_linear")} == {
+        "reference"
+    }
+    monkeypatch.setenv("TPEDU_IMPL", "exercises")  # the learner's module as the grader tests it
+    e = grading.pick("l04")
+    assert grading.whose(e, "column_parallel_linear") == "reference"
+
+
+def test_a_written_file_is_yours(course, capsys):
+    """The other side of the cheats above: the reference's code copied into the exercise file
+    (as a learner would write it) counts as the learner's."""
+    text = (ROOT / "solutions" / "l04_parallel_linear.py").read_text(encoding="utf-8")
+    course("l04_parallel_linear", text)
+    m = grading.pick("l04")
+    assert capsys.readouterr().out.startswith("l04_parallel_linear: your code runs for every")
+    assert grading.whose(m, "row_parallel_linear") == "yours"
+
+
+_FAKE_TEST = """
+from tpedu.course.grading import implementation
+
+
+def test_the_layers_exist():
+    m = implementation("l04_parallel_linear")
+    assert callable(m.column_parallel_linear) and callable(m.row_parallel_linear)
+
+
+def test_they_run():
+    import torch
+    import tpedu
+
+    m = implementation("l04_parallel_linear")
+    w = torch.ones(2, 3, dtype=torch.float64)
+    x = torch.ones(1, 3, dtype=torch.float64)
+    tpedu.launch(lambda: m.column_parallel_linear(x, w, None), 1)
+"""
+
+_DRIVER = """
+import sys
+from pathlib import Path
+
+from tpedu.course import grading
+
+grading.ROOT = Path.cwd()
+sys.exit(grading.main(sys.argv[1:]))
+"""
+
+
+def _grade_in(tmp, *args):
+    (tmp / "tests" / "exercises").mkdir(parents=True, exist_ok=True)
+    (tmp / "tests" / "__init__.py").write_text("")
+    (tmp / "tests" / "exercises" / "__init__.py").write_text("")
+    (tmp / "tests" / "exercises" / "test_l04_parallel_linear.py").write_text(_FAKE_TEST)
+    here = str(Path(tpedu.__file__).parents[1])  # the tpedu under test, whatever is installed
+    return subprocess.run(
+        [sys.executable, "-c", _DRIVER, *args],
+        cwd=tmp,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": here},
+    )
+
+
+def test_grade_gives_no_marks_for_solutions_imported(course, tmp_path):
+    course("l04_parallel_linear", _star("l04_parallel_linear"))
+    p = _grade_in(tmp_path, "l04")
+    assert p.returncode == 0, p.stderr
+    assert "uses solutions/" in p.stdout and "the reference, not yours" in p.stdout, p.stdout
+    assert "from solutions.l04_parallel_linear import *" in p.stdout
+    row = next(r for r in p.stdout.splitlines() if r.startswith("l04_parallel_linear "))
+    assert row.split()[1:3] == ["0", "2"], row  # 0 of 2 passed: what passed was the reference
+    # the same file written out by hand: both tests pass, and the grade says done
+    text = (ROOT / "solutions" / "l04_parallel_linear.py").read_text(encoding="utf-8")
+    course("l04_parallel_linear", text)
+    p = _grade_in(tmp_path, "l04")
+    row = next(r for r in p.stdout.splitlines() if r.startswith("l04_parallel_linear "))
+    assert row.split()[1:] == ["2", "2", "done"], p.stdout + p.stderr

@@ -1,0 +1,146 @@
+"""Lesson 04: the lesson's proofs run on the exercise's code, the module `pick` returned (the
+learner's functions where written, the reference's for the rest), and a failed claim names the
+bugs that usually cause it.
+
+    par = ParallelMLP.from_dense(dense)
+    route(m, par.fc1, par.fc2)       # the layers now run m.column_parallel_linear and m.row_...
+    result = tpedu.launch(mlp_vs_dense, 2, m, "gelu", 6, 16, 2, 3)[0]
+    show_mlp(m, result)              # one line per claim; raises with its likely causes
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import tpedu
+from tpedu.comm.tracer import CommTracer
+from tpedu.course import claims
+from tpedu.course.grading import ran
+from tpedu.tp.dense import DenseMLP
+from tpedu.tp.layers import ColumnParallelLinear, RowParallelLinear
+from tpedu.tp.mlp import ParallelMLP
+from tpedu.tp.operators import scatter_to_tp_region
+
+TOL = 1e-12  # float64: reordered sums and BLAS kernel choice cost ~1e-15; a real bug costs O(1)
+
+# What breaks each claim of lesson 04, in the words of the lesson.
+BIAS_T_TIMES = "row bias added t times (before the all-reduce of the partial sums)"
+NO_F = "f missing: no all-reduce of dL/dx in the column layer's backward (copy_to_tp_region)"
+NO_FBAR = "f̄ missing: the row layer's partial sums never all-reduced (reduce_from_tp_region)"
+FBAR_BACKWARD = "f̄ that all-reduces in backward too (its backward must be the identity)"
+COLUMN_BIAS = "column bias not the slice of the weight's rows (use this rank's bias shard)"
+CAUSES = {
+    "column y_r - dense slice": f"{COLUMN_BIAS}; output gathered when gather_output is False",
+    "row y - dense y": f"{BIAS_T_TIMES}; {NO_FBAR}",
+    "y - dense y": f"{BIAS_T_TIMES}; {NO_FBAR}; {COLUMN_BIAS}",
+    "dL/dx - dense": f"{NO_F}; {FBAR_BACKWARD}",
+    "dL/dW1 (gathered) - dense": FBAR_BACKWARD,
+    "dL/db1 (gathered) - dense": FBAR_BACKWARD,
+    "dL/dW2 (gathered) - dense": FBAR_BACKWARD,
+    "dL/db2 - dense": f"{BIAS_T_TIMES}; {FBAR_BACKWARD}",
+    "forward": f"{NO_FBAR}; an all-gather in the column layer when gather_output is False",
+    "backward": f"{NO_F}; {FBAR_BACKWARD}",
+}
+
+
+def route(m: ModuleType, *layers: nn.Module) -> None:
+    """Make tpedu's ColumnParallelLinear / RowParallelLinear `layers` run the functions of `m`
+    (exercise l04, as `pick` returned it) on their own shards, instead of tpedu's."""
+    for layer in layers:
+        if isinstance(layer, ColumnParallelLinear):
+            if layer.sequence_parallel or layer.inverse_order is not None:
+                raise ValueError("route: the exercise's column layer has no SP or row_order")
+
+            def column(x: torch.Tensor, layer: ColumnParallelLinear = layer) -> torch.Tensor:
+                return m.column_parallel_linear(
+                    x, layer.weight, layer.bias, layer.group, layer.gather_output
+                )
+
+            layer.forward = column
+        elif isinstance(layer, RowParallelLinear):
+            if layer.sequence_parallel:
+                raise ValueError("route: the exercise's row layer has no sequence parallelism")
+
+            def row(x: torch.Tensor, layer: RowParallelLinear = layer) -> torch.Tensor:
+                if not layer.input_is_parallel:  # the layer keeps its own chunk, as tpedu's
+                    x = scatter_to_tp_region(x, layer.group)
+                return m.row_parallel_linear(x, layer.weight, layer.bias, layer.group)
+
+            layer.forward = row
+        else:
+            raise TypeError(f"route: {type(layer).__name__} is not a tpedu parallel linear layer")
+
+
+def _randn(seed: int, shape: tuple[int, ...]) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g, dtype=torch.float64).to(tpedu.device())
+
+
+def mlp_vs_dense(
+    m: ModuleType, activation: str, hidden: int, ffn: int, batch: int, seq: int
+) -> dict:
+    """On every rank: a ParallelMLP whose layers run `m`'s functions (route) against the dense
+    MLP it was built from, dropout on: max |parallel - dense| of the output, dL/dx and every
+    weight and bias gradient (shards gathered), and the collectives traced per phase."""
+    torch.manual_seed(0)
+    dense = DenseMLP(
+        hidden, ffn, activation, hidden_dropout=0.2, output_dropout=0.1, seed=7,
+        dtype=torch.float64,
+    ).to(tpedu.device())  # fmt: skip
+    par = ParallelMLP.from_dense(dense)  # training mode: dropout is ON in both
+    route(m, par.fc1, par.fc2)  # SwiGLU feeds gate and up itself (one f), so fc1 runs for GeLU
+    x, g = _randn(3, (batch, seq, hidden)), _randn(4, (batch, seq, hidden))
+    xd, xp = x.clone().requires_grad_(), x.clone().requires_grad_()
+    (dense(xd, step=0) * g).sum().backward()
+    with CommTracer() as trace:
+        y = par(xp, step=0)
+        (y * g).sum().backward()
+
+    def gap(a: torch.Tensor, b: torch.Tensor) -> float:
+        return (a - b).abs().max().item()
+
+    fc1, fc2 = par.fc1, par.fc2
+    return {
+        "activation": activation,
+        "diffs": {
+            "y - dense y": gap(y, dense(x, step=0)),
+            "dL/dx - dense": gap(xp.grad, xd.grad),
+            "dL/dW1 (gathered) - dense": gap(fc1.dense_weight(grad=True), dense.fc1.weight.grad),
+            "dL/db1 (gathered) - dense": gap(fc1.dense_bias(grad=True), dense.fc1.bias.grad),
+            "dL/dW2 (gathered) - dense": gap(fc2.dense_weight(grad=True), dense.fc2.weight.grad),
+            "dL/db2 - dense": gap(fc2.dense_bias(grad=True), dense.fc2.bias.grad),
+        },
+        "dropped": int((y == 0).sum()),
+        "outputs": y.numel(),
+        "calls": {p: trace.count(op="all_reduce", phase=p) for p in ("forward", "backward")},
+        "others": trace.count() - trace.count(op="all_reduce"),
+        "table": trace.table(),
+        "tp": dist.get_world_size(),
+    }
+
+
+def show_mlp(m: ModuleType, result: dict, tol: float = TOL) -> None:
+    """Print and assert lesson 04's claims on one `mlp_vs_dense` result: parallel == dense for
+    the output and every gradient, and exactly 1 all-reduce forward and 1 backward. A failed
+    claim raises AssertionError naming its likely causes."""
+    pieces = ["row_parallel_linear"]
+    if result["activation"] != "swiglu":
+        pieces.insert(0, "column_parallel_linear")
+    print(
+        f"{result['activation']}, tp={result['tp']}, dropout on ({result['dropped']} of "
+        f"{result['outputs']} outputs dropped), {ran(m, *pieces)}:"
+    )
+    for name, diff in result["diffs"].items():
+        claims.check("", diff, tol, name, causes=CAUSES[name])
+    for phase, calls in result["calls"].items():
+        claims.claim(
+            f"{phase}: {calls} all-reduce",
+            calls == 1 and result["others"] == 0,
+            f"{calls} all-reduce(s) and {result['others']} other collective(s), want exactly 1",
+            CAUSES[phase],
+        )
+    print(result["table"], "\n")
