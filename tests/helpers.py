@@ -14,12 +14,14 @@ from safetensors.torch import save_file
 
 import tpedu
 from tpedu import checkpoint
+from tpedu.comm.recorder import Comm, Compute, RankLog, Wait
 from tpedu.comm.tracer import CommTracer
 from tpedu.data.corpus import novel_data
 from tpedu.model.config import GPTConfig
 from tpedu.model.dense import DenseGPT
 from tpedu.model.gpt import TPGPT
 from tpedu.model.state import dense_shapes, shard_map, split_tensor
+from tpedu.parallel.pipeline.schedules import action_parts, schedule
 from tpedu.train.config import TrainConfig
 
 # Layers and collectives (tests/test_layers.py, tests/test_mlp.py, tests/test_tp_ops.py, the
@@ -279,3 +281,50 @@ def transformers_greedy(model, prompts, steps):
             )
             out.append(ids[0].tolist())
     return out
+
+
+# Rank clocks (tests/test_clock.py, tests/test_clock_trace.py): hand-built rank logs.
+class Builder:
+    """A hand-built rank log: compute spans of given CPU seconds and communication calls."""
+
+    def __init__(self, rank: int, run: str = "r") -> None:
+        self.log, self.seq = RankLog(rank, run), {}
+
+    def compute(self, cpu: float, name: str = "compute") -> None:
+        self.log.spans.append(Compute(name, 0.0, cpu, cpu))
+
+    def comm(self, op, group, nbytes, peer=None, blocking=True) -> int:
+        key = (tuple(group), peer, op) if op in ("send", "recv") else (tuple(group),)
+        self.seq[key] = self.seq.get(key, -1) + 1
+        c = Comm(op, tuple(group), "g", nbytes, peer, self.seq[key], blocking, 0.0, 0.0)
+        self.log.spans.append(c)
+        return len(self.log.spans) - 1
+
+    def wait(self, index: int) -> None:
+        self.log.spans.append(Wait(index, 0.0, 0.0))
+
+
+def pipeline_logs(kind: str, p: int, m: int, f: float, b: float, nbytes: int = 1000):
+    """The logs run_schedule would record: receive (blocking), compute, isend; sends waited
+    at the end of the step."""
+    logs = []
+    for s in range(p):
+        log, sends = Builder(s), []
+        for action in schedule(kind, m, p, s):
+            k, mb, _ = action_parts(action)
+            if k == "F":
+                if s > 0:
+                    log.comm("recv", (s - 1, s), nbytes, peer=s - 1)
+                log.compute(f, f"F{mb}")
+                if s < p - 1:
+                    sends.append(log.comm("send", (s, s + 1), nbytes, peer=s + 1, blocking=False))
+            else:
+                if s < p - 1:
+                    log.comm("recv", (s, s + 1), nbytes, peer=s + 1)
+                log.compute(b, f"B{mb}")
+                if s > 0:
+                    sends.append(log.comm("send", (s - 1, s), nbytes, peer=s - 1, blocking=False))
+        for i in sends:
+            log.wait(i)
+        logs.append(log.log)
+    return logs

@@ -165,3 +165,13 @@ def test_clock_row_tiny():
         assert math.isfinite(row[key]) and row[key] > 0, key
     assert 0 < row["here"].bubble < 1 and 0 < row["priced"].step < row["here"].step
     assert "1x2x1" in bench.table([row])
+
+
+def test_tp_overlap_ways_tiny():
+    """bench_tp_overlap's code path: every way of running TP gives the plain TP loss."""
+    harness, bench = _bench("harness"), _bench("bench_tp_overlap")
+    rows = tpedu.launch(bench.run, 2, harness.TINY, 1)[0]
+    assert set(rows) == set(bench.WAYS)
+    base = rows["tp"][1]
+    for seconds, loss in rows.values():
+        assert seconds > 0 and abs(loss - base) <= 1e-5 * abs(base)

@@ -6,8 +6,7 @@ from collections import defaultdict
 
 import pytest
 
-from tests.helpers import cli, one_line_error
-from tests.test_clock import pipeline_logs
+from tests.helpers import cli, one_line_error, pipeline_logs
 from tpedu.analysis.clock import trace
 
 PHASES = {"X", "B", "E", "i", "I", "M"}
