@@ -21,7 +21,7 @@ from tpedu.model.config import GPTConfig
 from tpedu.model.dense import DenseGPT
 from tpedu.model.gpt import TPGPT
 from tpedu.model.options import RunOptions
-from tpedu.tp.chunked import record_events
+from tpedu.tp.overlap import record_events
 
 BASE = {"seq_len": 8, "n_layers": 2, "n_heads": 4, "dropout": 0.1}
 GPT2 = GPTConfig.gpt2_like(37, hidden=24, **BASE)

@@ -14,8 +14,8 @@ b/n sequences each, and chunk i's all-reduce can be on the wire while chunk i+1 
 The waits are autograd nodes of their own: `wait_grad(x)` sits in front of f, so its backward
 (which waits) runs strictly after f's (which issues) on any schedule: correct on every order;
 the order above (the wait nodes are created before any chunk's compute, so they run after every
-chunk's) is what makes it overlap, and `record_events()` shows it. Per half-block the last
-chunk's all-reduce stays exposed: (n-1)/n of the traffic can hide. Same collectives as the
+chunk's) is what makes it overlap, and `tpedu.tp.overlap.record_events()` shows it. Per
+half-block the last chunk's all-reduce stays exposed: (n-1)/n of the traffic can hide. Same collectives as the
 unsplit block, n times as many, each 1/n the size.
 
 What is equal to what: elementwise ops, norms and dropout masks (index_dropout at the chunk's
@@ -28,8 +28,7 @@ tests/test_tp_overlap_chunks.py: worst 1.4e-16; 1 of 28 gradient tensors bitwise
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -47,25 +46,8 @@ from tpedu.tp.dense import (
     attend,
 )
 from tpedu.tp.dropout import derive_seed, index_dropout
+from tpedu.tp.overlap import log_event
 from tpedu.tp.rope import apply_rope
-
-_events: list[list[str]] = []
-
-
-def _log(event: str) -> None:
-    for log in _events:
-        log.append(event)
-
-
-@contextlib.contextmanager
-def record_events() -> Iterator[list[str]]:
-    """Collect 'issue i' / 'wait i' (forward) and 'grad issue i' / 'grad wait i' (backward)."""
-    log: list[str] = []
-    _events.append(log)
-    try:
-        yield log
-    finally:
-        _events.remove(log)
 
 
 class Pending:
@@ -76,13 +58,13 @@ class Pending:
 
     def start(self, work: Any) -> None:
         self.work = work
-        _log(f"{self.what}issue {self.chunk}")
+        log_event(f"{self.what}issue {self.chunk}")
 
     def wait(self) -> None:
         if self.work is not None:
             self.work.wait()
             self.work = None
-            _log(f"{self.what}wait {self.chunk}")
+            log_event(f"{self.what}wait {self.chunk}")
 
 
 class IssueAllReduce(torch.autograd.Function):

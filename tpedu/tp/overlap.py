@@ -41,14 +41,17 @@ from tpedu.comm import collectives, recorder
 _events: list[list[str]] = []
 
 
-def _log(event: str) -> None:
+def log_event(event: str) -> None:
+    """Add `event` to every log `record_events` has open (the TP overlaps' order, shown in
+    lesson 15 and tested: this module's and tpedu.tp.chunked's)."""
     for log in _events:
         log.append(event)
 
 
 @contextlib.contextmanager
 def record_events() -> Iterator[list[str]]:
-    """Collect the backward's event order: 'all_reduce issued', 'weight grad', 'all_reduce done'."""
+    """Collect the overlaps' event order: here 'all_reduce issued', 'weight grad', 'all_reduce
+    done'; tpedu.tp.chunked's 'issue i' / 'wait i' (forward), 'grad issue i' / 'grad wait i'."""
     log: list[str] = []
     _events.append(log)
     try:
@@ -86,15 +89,15 @@ class LinearWithAsyncGradAllreduce(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_x = grad.matmul(weight)  # [..., in]: this rank's share of dL/dx
             work = collectives.all_reduce(grad_x, ctx.group, async_op=True)
-            _log("all_reduce issued")
+            log_event("all_reduce issued")
         with recorder.label("weight grad"):  # the rank clock's span beside the all-reduce
             g2, x2 = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
             grad_w = g2.t().matmul(x2) if ctx.needs_input_grad[1] else None  # while it runs
             grad_b = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        _log("weight grad")
+        log_event("weight grad")
         if work is not None:
             work.wait()
-            _log("all_reduce done")
+            log_event("all_reduce done")
         return grad_x, grad_w, grad_b, None
 
 
