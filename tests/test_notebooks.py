@@ -31,3 +31,20 @@ def test_notebook_is_committed_executed(path):
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_readme_lesson_map_lists_notebook(path):
     assert f"notebooks/{path.name}" in (ROOT / "README.md").read_text(encoding="utf-8")
+
+
+def test_notebook_kernels_listen_on_unix_sockets_not_tcp_ports():
+    """The kernel nbval starts for a notebook binds no TCP port that a rank's connection could
+    take first (the root conftest.py says why), and still runs code."""
+    from nbval.kernel import CURRENT_ENV_KERNEL_NAME, RunningKernel
+
+    kernel = RunningKernel(CURRENT_ENV_KERNEL_NAME, str(ROOT / "notebooks"))
+    try:
+        info = kernel.km.get_connection_info()
+        assert info["transport"] == "ipc", info["transport"]
+        assert len(f"{info['ip']}-{info['hb_port']}") < 100, "a Unix socket path this long fails"
+        reply = kernel.kc.execute("x = 6 * 7", user_expressions={"x": "x"}, reply=True, timeout=60)
+        assert reply["content"]["user_expressions"]["x"]["data"]["text/plain"] == "42"
+        assert all(Path(f"{info['ip']}-{info[p]}").exists() for p in ("shell_port", "iopub_port"))
+    finally:
+        kernel.stop()
