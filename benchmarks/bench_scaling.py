@@ -18,12 +18,15 @@ bytes, group size); predicted comm = Σ α-β prediction of each traced call; me
 time inside collectives, send/recv and waits on async work (harness.timed_communication),
 slowest rank; compute = step - comm. For pp > 1 the comm column includes waiting for the
 neighbour stage, so the bubble is in it; the bubble is also measured from run_schedule's
-timeline: 1 - (F+B time summed over stages) / (stages · span), next to (p-1)/(m+p-1).
+timeline on the rank clock (tpedu.comm.recorder: run_schedule names each forward and backward
+F<micro-batch>, B<micro-batch>): 1 - (F+B wall time summed over stages) / (stages · span), next
+to (p-1)/(m+p-1).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 
@@ -32,6 +35,7 @@ import torch.distributed as dist
 from harness import BACKEND, BATCH, CONFIG, TINY, batch, load, timed_communication
 
 import tpedu
+from tpedu.comm import recorder
 from tpedu.comm.cost_model import AlphaBeta, fit, measure
 from tpedu.comm.tracer import CommTracer
 from tpedu.model.config import GPTConfig
@@ -138,13 +142,13 @@ def worker(
     steps, comms, p2ps, events = [], [], [], []
     for _ in range(reps):
         dist.barrier()
-        with timed_communication() as acc:
+        with timed_communication() as acc, recorder.Recorder() as rec:
             t = time.perf_counter()
-            res = step()
+            step()
             steps.append(time.perf_counter() - t)
         comms.append(acc["collective"] + acc["p2p"])
         p2ps.append(acc["p2p"])
-        events.append([e for e in res.events if e.kind in ("F", "B")])
+        events.append(stage_events(rec.log, mesh.pp_rank))
     real = [r for r in trace.records if r.group_size > 1]  # a 1-rank group sends nothing
     summary: dict[tuple[str, str], list[int]] = {}
     for r in trace.records:
@@ -166,6 +170,28 @@ def worker(
         "predicted": sum(predict(fits, r.op, r.bytes, r.group_size) for r in trace.records),
         "stage_params": sum(p.numel() for p in stage.parameters()),
     }
+
+
+def stage_events(log: recorder.RankLog, stage: int) -> list[Event]:
+    """The forwards and backwards on a rank's clock as pipeline Events (wall clock):
+    run_schedule names their compute spans F<micro-batch> or B<micro-batch>[.<chunk>]; the
+    spans of one forward or backward (split by its TP collectives) make one Event."""
+    out: list[Event] = []
+    name = None
+    for s in log.spans:
+        if not isinstance(s, recorder.Compute):
+            continue  # a call inside a forward or backward belongs to it
+        if s.name == name:
+            out[-1] = dataclasses.replace(out[-1], end=s.wall_end)
+            continue
+        name = None
+        micro, _, chunk = s.name[1:].partition(".")
+        if s.name[:1] in ("F", "B") and micro.isdigit() and (not chunk or chunk.isdigit()):
+            name = s.name
+            out.append(
+                Event(stage, s.name[0], int(micro), int(chunk or 0), s.wall_start, s.wall_end)
+            )
+    return out
 
 
 def run_layout(

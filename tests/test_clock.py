@@ -304,3 +304,71 @@ def test_each_group_prices_on_its_own_link():
     assert t.step == pytest.approx(both, rel=1e-12)
     with pytest.raises(ValueError, match="no link for group 'dp': add 'dp' or '\\*'"):
         replay.replay(logs, {"tp": "nvlink"})
+
+
+def _two_ranks():
+    # rank 0 computes 1 s of CPU in 2 s of wall clock, then waits for rank 1 (3 s of CPU in
+    # 3.5 s) in one blocking all-reduce; the wall clock ends at 4 s
+    logs = []
+    for r, (cpu, wall) in enumerate([(1.0, 2.0), (3.0, 3.5)]):
+        log = recorder.RankLog(r, "run")
+        log.spans.append(Compute("c", 0.0, wall, cpu))
+        log.spans.append(recorder.Comm("all_reduce", (0, 1), "dp", 1000, None, 0, True, wall, 4.0))
+        logs.append(log)
+    return logs
+
+
+def test_three_clocks_of_a_known_step():
+    from tpedu.analysis.clock import clocks
+    from tpedu.analysis.whatif import HARDWARE
+
+    net = AlphaBeta(1e-3, 0.0)  # a 2-rank all-reduce: 2 ring steps of α
+    peak = HARDWARE["H100 SXM"].peak_flops
+    # 4 s of CPU in all, FLOPs of 2 s at 70 % of the peak: priced compute takes half its CPU time
+    rows = clocks.three_clocks(_two_ranks(), net, flops=2 * 0.7 * peak, link=net, cores=2)
+    got = [(r.clock, r.step, r.compute, r.waiting, r.exposed, r.hidden, r.bubble) for r in rows]
+    want = [
+        ("measured", 4.0, 2.75, 1.25, None, None, None),
+        ("replayed", 3.002, 2.0, 1.002, 0.002, 0.0, 1 / 3.002),
+        ("replayed", 3.0, 2.0, 1.0, 0.0, 0.0, 1 / 3),
+        ("priced", 1.502, 1.0, 0.502, 0.002, 0.0, 0.5 / 1.502),
+    ]
+    for g, w in zip(got, want, strict=True):
+        assert [x is None for x in g] == [x is None for x in w]
+        assert g[0] == w[0]
+        assert [x for x in g[1:] if x is not None] == pytest.approx(
+            [x for x in w[1:] if x is not None], rel=1e-9, abs=1e-12
+        )
+    assert [r.what for r in rows] == [
+        "wall clock here, 2 ranks on 2 cores",
+        "a core per rank, loopback link",
+        "a core per rank, free links",
+        "H100 SXM: α-β link, 70% of peak",
+    ]
+    # a factor given is used as it is; neither factor nor FLOPs: no priced row
+    priced = clocks.three_clocks(_two_ranks(), net, factor=0.25, link="free", priced="x")[-1]
+    assert (priced.what, priced.step) == ("x", pytest.approx(0.75))
+    assert [r.clock for r in clocks.three_clocks(_two_ranks(), "free")][-1] == "replayed"
+
+
+def test_three_clocks_table_labels_every_row():
+    from tpedu.analysis.clock import clocks
+
+    rows = clocks.three_clocks(_two_ranks(), "free", factor=0.5, cores=2)
+    rows.append(clocks.Row("formula", "equal ranks", step=3.0))
+    lines = clocks.table(rows, "dp 2").splitlines()
+    assert lines[0].split() == [
+        "clock",
+        "step",
+        "ms",
+        "compute",
+        "waiting",
+        "exposed",
+        "hidden",
+        "bubble",
+    ]
+    assert lines[1].startswith("dp 2     measured (wall clock here, 2 ranks on 2 cores)")
+    assert lines[1].split()[-3:] == ["4000.000", "2750.000", "1250.000"]  # ms; blanks after
+    assert lines[3].split()[-6:] == ["3000.000", "2000.000", "1000.000", "0.000", "0.000", "33.3%"]
+    assert lines[4].startswith("         priced (H100 SXM: nvlink, 70% of peak)")
+    assert lines[5].split()[-1] == "3000.000" and "formula (equal ranks)" in lines[5]
