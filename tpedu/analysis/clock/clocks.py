@@ -1,4 +1,4 @@
-"""Lessons 11-18: one recorded step on three clocks, each labelled, beside the formula.
+"""Lessons 11–18: one recorded step on three clocks, each labelled, beside the formula.
 
     rows = clocks.three_clocks(logs, net, flops=flops)   # logs: tpedu.comm.recorder.gather
     print(clocks.table(rows, [clocks.Row("formula", "(p-1)/(m+p-1)", bubble=0.273)]))
@@ -64,13 +64,14 @@ def timeline_row(clock: str, what: str, t: replay.Timeline) -> Row:
     return Row(clock, what, t.step, busy, t.step - busy, t.exposed, t.hidden, t.bubble)
 
 
+DEVICE, EFFICIENCY = "H100 SXM", 0.7  # the device a priced row stands for, at this share of peak
+
+
 def three_clocks(
     logs: list[RankLog],
     net: str | AlphaBeta = "loopback",
     flops: float | None = None,
     factor: float | None = None,
-    device: str = "H100 SXM",
-    efficiency: float = 0.7,
     link: str | AlphaBeta = "nvlink",
     priced: str | None = None,
     cores: int | None = None,
@@ -78,7 +79,7 @@ def three_clocks(
     """Measured, replayed (on `net`, then free links) and priced rows of one recording.
 
     Priced: compute × `factor`, else × links.device_factor(`flops`, the logs' CPU seconds,
-    `device`, `efficiency`); no row when neither is given. `priced`: its label (default: the
+    DEVICE, EFFICIENCY) (the what-if's H100 at 70 % of peak); no row when neither is given. `priced`: its label (default: the
     device, the link's name and the efficiency); `cores`: this machine's (default: all)."""
     rows = [measured_row(logs, cores)]
     rows.append(
@@ -89,10 +90,10 @@ def three_clocks(
     )
     if factor is None and flops is not None:
         cpu = sum(log.compute_seconds() for log in logs)
-        factor = links.device_factor(flops, cpu, device, efficiency)
+        factor = links.device_factor(flops, cpu, DEVICE, EFFICIENCY)
     if factor is not None:
         name = link if isinstance(link, str) else "α-β link"
-        what = priced or f"{device}: {name}, {efficiency:.0%} of peak"
+        what = priced or f"{DEVICE}: {name}, {EFFICIENCY:.0%} of peak"
         rows.append(timeline_row("priced", what, replay.replay(logs, link, factor)))
     return rows
 
