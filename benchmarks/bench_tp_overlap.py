@@ -3,6 +3,11 @@ of running TP, with the same weights, timed here (wall clock, slowest rank, medi
 alternating runs).
 
     .venv/bin/python benchmarks/bench_tp_overlap.py [--tp 2] [--reps 7]
+    .venv/bin/python benchmarks/bench_tp_overlap.py --priced [--tp 2]
+
+`--priced`: instead, one recorded block step per way (h 128, s 64, b 4) priced as a 7B-like
+layer (h 4096, s 4096) on an H100 SXM node with NVLink links (tpedu.analysis.clock.tp_overlap,
+lesson 20): not a measurement, a replay of this machine's recording on a modelled device.
 
 The ways: plain TP; Megatron's asynchronous dL/dx all-reduce beside dL/dW (`overlap_comm`);
 micro-batch-split blocks (`tp_overlap="chunks"`, 2 and 4 chunks: each chunk's all-reduce runs
@@ -22,6 +27,7 @@ import torch
 from harness import BACKEND, BATCH, CONFIG, batch, interleaved, load
 
 import tpedu
+from tpedu.analysis.clock import tp_overlap
 from tpedu.model.config import GPTConfig
 from tpedu.model.dense import DenseGPT
 from tpedu.model.gpt import TPGPT
@@ -59,7 +65,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--priced", action="store_true", help="price a recorded step (H100)")
     args = parser.parse_args()
+    if args.priced:
+        small = GPTConfig.gpt2_like(64, seq_len=64, n_layers=1, hidden=128, n_heads=8)
+        logs = tpedu.launch(tp_overlap.record_block, args.tp, small, 4, backend=BACKEND)[0]
+        print(f"tp {args.tp}, a 7B-like layer (h 4096, s 4096, b 1), forward + backward, priced")
+        print("(H100 SXM at 70 % of peak, NVLink α-β; ms; recorded here on CPU ranks)")
+        print(tp_overlap.table(tp_overlap.priced(logs, small, 4)))
+        return
     rows = tpedu.launch(run, args.tp, CONFIG, args.reps, backend=BACKEND, timeout=None)[0]
     print(f"tp {args.tp}, batch {BATCH}, seq {CONFIG.seq_len}, hidden {CONFIG.hidden}; {load()}")
     base_time, base_loss = rows["tp"]
