@@ -8,7 +8,10 @@ file changed) and points the grader at it; the real exercises/ is never touched.
 - lesson 04's proof with a column layer that lacks f (no all-reduce of dL/dx in backward): the
   proof fails and names that cause, instead of printing ✓ from tpedu's own layers;
 - a file that imports solutions/ (a star import, a wrapper, an assignment): the reference, not
-  "yours", in pick's line, in whose() and in the grade.
+  "yours", in pick's line, in whose() and in the grade;
+- lesson 00's ledger with a wrong function: its claim fails, with no ✓ from the reference's;
+- lesson 02's ring written without its two phases: the line names only what ran (watch), not
+  the reference's phases, which never did.
 """
 
 import os
@@ -265,3 +268,127 @@ def test_grade_gives_no_marks_for_solutions_imported(course, tmp_path):
     p = _grade_in(tmp_path, "l04")
     row = next(r for r in p.stdout.splitlines() if r.startswith("l04_parallel_linear "))
     assert row.split()[1:] == ["2", "2", "done"], p.stdout + p.stderr
+
+
+# ---- a lesson's check runs on the picked functions and names only what ran
+
+
+def _written(name, **bodies):
+    """The stub of exercise `name` with the functions named in `bodies` written out (their
+    whole text, `def` line included); the rest still raise NotImplementedError."""
+    import ast
+
+    text = _stub(name)
+    lines = text.splitlines(keepends=True)
+    spans = {
+        n.name: (n.lineno - 1, n.end_lineno)
+        for n in ast.parse(text).body
+        if isinstance(n, ast.FunctionDef) and n.name in bodies
+    }
+    assert sorted(spans) == sorted(bodies), spans
+    for fn, (start, end) in sorted(spans.items(), key=lambda kv: -kv[1][0]):
+        lines[start:end] = [textwrap.dedent(bodies[fn]).strip() + "\n"]
+    return "".join(lines)
+
+
+def _tiny_gpt():
+    from tpedu.analysis import memory
+    from tpedu.analysis.shape import ModelShape
+
+    return memory.TinyGPT(ModelShape(n_layers=3, hidden=48, n_heads=6, vocab_size=211, seq_len=32))
+
+
+def test_lesson_00_ledger_refuses_an_embedding_that_ignores_bytes_per_param(course, capsys):
+    wrong = "def embedding_bytes(vocab, hidden, bytes_per_param=2):\n    return vocab * hidden * 2"
+    course("l00_memory_ledger", _written("l00_memory_ledger", embedding_bytes=wrong))
+    m = grading.pick("l00")
+    assert "yours: embedding_bytes" in capsys.readouterr().out
+    with pytest.raises(AssertionError, match="50k × 4096 embedding.*\n.*bytes_per_param ignored"):
+        proofs.ledger(m, _tiny_gpt())
+    shown = capsys.readouterr().out
+    assert "your embedding_bytes" in shown and "the reference's training_bytes, gpt_params" in shown
+    assert "embedding" not in shown.split(":\n", 1)[1]  # no ✓ line for it
+
+
+def test_lesson_00_ledger_refuses_a_parameter_count_without_the_final_norm(course, capsys):
+    solution = (ROOT / "solutions" / "l00_memory_ledger.py").read_text(encoding="utf-8")
+    wrong = solution.replace("seq_len * h + norm", "seq_len * h")  # the final LayerNorm left out
+    assert wrong != solution
+    course("l00_memory_ledger", wrong)
+    m = grading.pick("l00")
+    with pytest.raises(AssertionError, match="gpt_params 96,480 == the real TinyGPT's 96,576"):
+        proofs.ledger(m, _tiny_gpt())
+    shown = capsys.readouterr().out
+    assert "your training_bytes, embedding_bytes, gpt_params:" in shown
+    assert shown.count("✓") == 2
+
+
+def test_lesson_00_ledger_passes_the_reference_and_names_it(monkeypatch, capsys):
+    monkeypatch.setenv("TPEDU_IMPL", "solutions")
+    proofs.ledger(grading.pick("l00"), _tiny_gpt())
+    out = capsys.readouterr().out
+    assert "the reference's training_bytes, embedding_bytes, gpt_params:" in out
+    assert "your" not in out and out.count("✓") == 3
+
+
+_RING = ("ring_all_reduce", "ring_reduce_scatter", "ring_all_gather")
+
+
+def _ring_worker(m):
+    """Lesson 02's cell: the ring all-reduce under watch; what ran, whose, and the sum."""
+    import torch.distributed as dist
+
+    x = torch.arange(6, dtype=torch.float64, device=tpedu.device()) * (dist.get_rank() + 1)
+    with grading.watch(m, *_RING) as called:
+        m.ring_all_reduce(x)
+    restored = all(getattr(m, n).__name__ == n and not hasattr(getattr(m, n), "__wrapped__") for n in _RING)  # fmt: skip
+    return list(called), grading.ran(m, *called), x.tolist(), restored
+
+
+def test_lesson_02_names_only_the_ring_pieces_that_ran(course, capsys):
+    """ring_all_reduce written without the two phases: the line names it alone, not the
+    reference's reduce-scatter and all-gather (which never ran)."""
+    mine = """
+    def ring_all_reduce(x, group=None):
+        dist.all_reduce(x, group=group)  # not a ring: the phases are never called
+        return x
+    """
+    course("l02_ring_allreduce", _written("l02_ring_allreduce", ring_all_reduce=mine))
+    m = grading.pick("l02")
+    assert "yours: ring_all_reduce" in capsys.readouterr().out
+    called, line, total, restored = tpedu.launch(_ring_worker, 2, m)[0]
+    assert called == ["ring_all_reduce"] and line == "your ring_all_reduce"
+    assert total == [3.0 * k for k in range(6)] and restored
+
+
+def test_lesson_02_names_a_written_phase_run_through_the_references_ring(course, capsys):
+    reference = (ROOT / "solutions" / "l02_ring_allreduce.py").read_text(encoding="utf-8")
+    start = reference.index("def ring_reduce_scatter(")
+    mine = reference[start : reference.index("\ndef ring_all_gather(")]
+    course("l02_ring_allreduce", _written("l02_ring_allreduce", ring_reduce_scatter=mine))
+    m = grading.pick("l02")
+    capsys.readouterr()
+    called, line, total, _ = tpedu.launch(_ring_worker, 2, m)[0]
+    assert called == list(_RING)
+    assert line == "the reference's ring_all_reduce, ring_all_gather and your ring_reduce_scatter"
+    assert total == [3.0 * k for k in range(6)]
+
+
+def test_lesson_01_names_a_split_only_when_a_matmul_calls_it(course, capsys):
+    """The learner's column matmul cuts W itself: split_columns (the reference's) never runs,
+    and the line after the checks does not name it; the reference's row matmul calls split_rows."""
+    mine = """
+    def column_parallel_matmul(x, w, parts, matmul=torch.matmul):
+        return torch.cat([matmul(x, b) for b in w.tensor_split(parts, dim=1)], dim=-1)
+    """
+    course("l01_matmul_split", _written("l01_matmul_split", column_parallel_matmul=mine))
+    m = grading.pick("l01")
+    capsys.readouterr()
+    x, w = torch.ones(2, 3), torch.ones(3, 4)
+    pieces = ("column_parallel_matmul", "split_columns", "row_parallel_matmul", "split_rows")
+    with grading.watch(m, *pieces) as called:
+        assert m.column_parallel_matmul(x, w, 2).equal(x @ w)
+        assert m.row_parallel_matmul(x, w, 3).equal(x @ w)
+    assert called == ["column_parallel_matmul", "row_parallel_matmul", "split_rows"]
+    line = grading.ran(m, *called)
+    assert line == "your column_parallel_matmul and the reference's row_parallel_matmul, split_rows"

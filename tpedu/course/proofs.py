@@ -1,6 +1,12 @@
-"""Lesson 04: the lesson's proofs run on the exercise's code, the module `pick` returned (the
-learner's functions where written, the reference's for the rest), and a failed claim names the
-bugs that usually cause it.
+"""Lessons 00–04: the proofs, run on the exercise's code: the module `pick` returned (the
+learner's functions where written, the reference's for the rest). Each prints whose code ran and
+one line per claim, and a failed claim raises naming the bugs that usually cause it.
+
+Lesson 00, the memory ledger:
+
+    ledger(m, model)                 # training_bytes, embedding_bytes, gpt_params vs a TinyGPT
+
+Lesson 04, the parallel MLP:
 
     par = ParallelMLP.from_dense(dense)
     route(m, par.fc1, par.fc2)       # the layers now run m.column_parallel_linear and m.row_...
@@ -17,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 import tpedu
+from tpedu.analysis.memory import GB
 from tpedu.comm.tracer import CommTracer
 from tpedu.course import claims
 from tpedu.course.grading import ran
@@ -24,6 +31,37 @@ from tpedu.tp.dense import DenseMLP
 from tpedu.tp.layers import ColumnParallelLinear, RowParallelLinear
 from tpedu.tp.mlp import ParallelMLP
 from tpedu.tp.operators import scatter_to_tp_region
+
+
+def ledger(m: ModuleType, model: nn.Module) -> None:
+    """Lesson 00: print and assert the ledger's claims on `m`'s functions (exercise l00, as
+    `pick` returned it): 16 bytes per parameter, a [vocab, hidden] table, and gpt_params of
+    `model`'s shape equal to its parameters counted as real tensors (`model`: a TinyGPT)."""
+    print(f"{ran(m, 'training_bytes', 'embedding_bytes', 'gpt_params')}:")
+    state = m.training_bytes(35 * 10**9)
+    claims.claim(
+        f"35B × 16 B = {state / GB:.1f} GB",
+        state == 560 * GB,
+        causes="a default byte count other than 2 + 2 + 12; the three not summed per parameter",
+    )
+    table = m.embedding_bytes(50_000, 4096, 1)
+    claims.claim(
+        f"50k × 4096 embedding = {table / 1e6:.1f}M params",
+        table == 50_000 * 4096,
+        causes="bytes_per_param ignored (the default used); the table not vocab × hidden",
+    )
+    c, real = model.config, sum(p.numel() for p in model.parameters())
+    count = m.gpt_params(
+        c.n_layers, c.hidden, c.vocab_size, c.seq_len, ffn_hidden=c.ffn_hidden,
+        heads=c.n_heads, kv_heads=c.n_kv_heads, tied_embeddings=c.tie_embeddings, bias=c.bias,
+    )  # fmt: skip
+    claims.claim(
+        f"gpt_params {count:,} == the real TinyGPT's {real:,} parameters",
+        count == real,
+        causes="a bias, a LayerNorm or the learned positions left out; the head counted "
+        "although tied to the token table",
+    )
+
 
 TOL = 1e-12  # float64: reordered sums and BLAS kernel choice cost ~1e-15; a real bug costs O(1)
 
