@@ -7,7 +7,7 @@ import pytest
 
 from tpedu.checkpoint.index import shard_file
 from tpedu.parallel.config import ParallelConfig
-from tpedu.parallel.mesh import AXES, AXIS_NAMES, CHECKPOINT_AXES, Layout
+from tpedu.parallel.mesh import AXES, AXIS_NAMES, CHECKPOINT_AXES, Layout, describe_coords
 
 LAYOUTS = [Layout(), Layout(3, 1, 1), Layout(2, 3, 2), Layout(tp=2, pp=2, dp=3, cp=2)]
 
@@ -97,3 +97,27 @@ def test_expert_groups_are_carved_from_the_dp_groups(lay):
     assert "ep" not in Layout(dp=4).group_names()
     with pytest.raises(ValueError, match="ep = 3 does not divide dp = 4"):
         Layout(dp=4, ep=3)
+
+
+def test_expert_coords_carve_ep_from_dp():
+    """dp index = ep + ep_size · edp: consecutive DP ranks form an EP group (different experts),
+    every ep-th holds the same experts (an edp group)."""
+    layout = Layout(tp=2, dp=4, ep=2)
+    got = [layout.expert_coords(layout.rank(tp=1, dp=d)) for d in range(4)]
+    assert got == [
+        {"ep": 0, "edp": 0},
+        {"ep": 1, "edp": 0},
+        {"ep": 0, "edp": 1},
+        {"ep": 1, "edp": 1},
+    ]
+    assert [layout.expert_coords(r) for r in range(2)] == [{"ep": 0, "edp": 0}] * 2  # tp 0, 1
+    assert {tuple(g) for g in layout.ep_groups()} == {(0, 2), (4, 6), (1, 3), (5, 7)}
+
+
+def test_ep_is_named_wherever_the_layout_is_when_it_is_used():
+    from tpedu.train.loop import describe
+
+    assert describe(ParallelConfig(tp=2, dp=4, ep=2)) == "tp=2 dp=4 ep=2"
+    assert describe(ParallelConfig(tp=2, cp=2)) == "tp=2 cp=2"
+    assert repr(Layout(dp=4, ep=2)).endswith("ep=2)") and "ep" not in repr(Layout(dp=4))
+    assert describe_coords(Layout(dp=4, ep=2), 3) == "tp 0/1, pp 0/1, dp 3/4, ep 1/2"

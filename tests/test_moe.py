@@ -29,9 +29,10 @@ import torch.distributed as dist
 from tests.helpers import randn
 from tpedu import launch
 from tpedu.comm import collectives
+from tpedu.comm.placement import split_over
 from tpedu.comm.tracer import CommTracer
 from tpedu.moe.dense import DenseMoE
-from tpedu.moe.expert_parallel import ExpertParallelMoE, is_expert_parameter
+from tpedu.moe.expert_parallel import ExpertParallelMoE
 from tpedu.moe.router import keep_mask
 
 H, F, E, B, S = 8, 12, 8, 2, 6  # E = 8: ep 4 holds 2 experts per rank
@@ -131,7 +132,7 @@ def run_case(case, ep, rank, wrong_expert_reduce=False):
         calls=sorted((r.op, r.phase, r.numel) for r in trace.records),
         send=moe.last_send_counts,
         routed=n.tolist(),
-        names=[n for n, _ in moe.named_parameters() if is_expert_parameter(n)],
+        names=[n for n, _ in moe.named_parameters() if n in split_over(moe, "ep")],
         n_expert_params=len(moe.expert_parameters()),
     )
 

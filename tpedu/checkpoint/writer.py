@@ -34,13 +34,13 @@ from tpedu.checkpoint.index import (
     shard_file,
     step_name,
 )
+from tpedu.comm.placement import sharded_on
 from tpedu.model.config import GPTConfig
 from tpedu.model.gpt import TPGPT
 from tpedu.model.state import (
     dense_shapes,
     shard_map,
 )
-from tpedu.moe.expert_parallel import is_expert_parameter
 from tpedu.parallel.config import ParallelConfig
 from tpedu.parallel.mesh import CHECKPOINT_AXES, Layout
 
@@ -210,7 +210,7 @@ def save(
     agree(error, f"preparing {tmp}")
     try:
         dp_size = layout.dp if parallel.zero else 1  # how many dp ranks write optimizer state
-        tensors, kinds = _rank_tensors(chunks, opt, coords, dp_size, layout.ep)
+        tensors, kinds = _rank_tensors(chunks, opt, coords, dp_size, layout)
         if tensors and coords["cp"] == 0:  # CP ranks hold the same shards, as replicas do
             write_shard(tmp, coords, tensors, kinds)
     except Exception as e:  # reported to every rank by agree
@@ -230,25 +230,26 @@ def save(
 
 
 def _rank_tensors(
-    chunks: list[TPGPT], opt: object | None, coords: dict[str, int], dp_size: int, ep: int = 1
+    chunks: list[TPGPT], opt: object | None, coords: dict[str, int], dp_size: int, layout: Layout
 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """What this rank writes: the tensors `state_writers` gives its dp rank of `dp_size` (1, no
     ZeRO: dp rank 0 writes them all), each with the optimizer state it holds; replicated ones
     by tp rank 0 only. With expert parallelism (ep > 1) each EP rank's own experts are written
-    by it, from the first of their replicas (edp index 0: dp rank < ep), into its dp file.
+    by it, from the first of their replicas (edp index 0), into its dp file: a tensor split
+    over ep (its placement) has no copy on another EP rank to write it.
     ZeRO (an `opt` with `whole_tensors`) hands them over whole from its shards, one buffer at a
     time: collective over DP."""
-    tp_rank, dp_rank = coords["tp"], coords["dp"]
+    tp_rank, dp_rank, ep = coords["tp"], coords["dp"], layout.ep
     entries = [
         e
         for e in shard_map(chunks)
         if not (e.tied_copy or (e.stored_kind == "replicated" and tp_rank))
     ]
-    experts = [e for e in entries if ep > 1 and is_expert_parameter(e.name)]
-    entries = [e for e in entries if not (ep > 1 and is_expert_parameter(e.name))]
+    experts = [e for e in entries if ep > 1 and sharded_on(e.placements, "ep")]
+    entries = [e for e in entries if not (ep > 1 and sharded_on(e.placements, "ep"))]
     writers = state_writers([e.param.numel() for e in entries], dp_size)
     mine = [e for e, writer in zip(entries, writers, strict=True) if writer == dp_rank]
-    mine += experts if dp_rank < ep else []
+    mine += experts if layout.expert_coords(layout.rank(**coords))["edp"] == 0 else []
     if hasattr(opt, "whole_tensors"):
         got = opt.whole_tensors({id(e.param) for e in mine})
     else:

@@ -43,6 +43,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from tpedu.comm import collectives, tracer
+from tpedu.comm.placement import Placements, sharded_on
 from tpedu.cp.ring import chunk_positions, ring_attention, split_sequence
 from tpedu.cp.ulysses import check_ulysses_heads, ulysses_attention
 from tpedu.model.config import GPTConfig
@@ -57,7 +58,7 @@ from tpedu.model.dense import (
 from tpedu.model.options import RunOptions
 from tpedu.model.state import merge_shards, shard_map
 from tpedu.moe.dense import DenseMoE
-from tpedu.moe.expert_parallel import ExpertParallelMoE, is_expert_parameter
+from tpedu.moe.expert_parallel import ExpertParallelMoE
 from tpedu.tp.attention import ParallelAttention
 from tpedu.tp.chunked import chunked_block
 from tpedu.tp.collective_matmul import (
@@ -320,7 +321,7 @@ class TPGPT(nn.Module):
         if sequence_parallel:  # replicated, but each rank feeds them its positions only
             for m in (self.pos_emb, self.norm_f):
                 mark_sequence_parallel(m.parameters() if m is not None else [])
-        self._copies = self._count_copies()
+        self._copies, self._placements = self._read_shard_map()
 
     @classmethod
     def from_state_dict(
@@ -484,7 +485,7 @@ class TPGPT(nn.Module):
         them, None all."""
         sq = torch.zeros((), dtype=torch.float64, device=next(self.parameters()).device)
         for name, p in self.named_parameters():
-            if experts is not None and is_expert_parameter(name) != experts:
+            if experts is not None and sharded_on(self._placements[name], "ep") != experts:
                 continue
             if p.grad is not None and p is not skip:
                 sq += (p.grad.double().square() / self.copies_of(name)).sum()
@@ -500,12 +501,13 @@ class TPGPT(nn.Module):
             copies = self._copies[name] = copies.to(device)
         return copies
 
-    def _count_copies(self) -> dict[str, float | torch.Tensor]:
-        """{local parameter name: ranks holding a copy}, from the shard map. Keyed by name,
-        which survives .to() and to_empty() (they may replace the Parameter objects). The counts
-        are on the device the model is built on; squared_grad_sum moves one to its gradient's
-        device."""
-        return {e.local: e.copies for e in shard_map(self)}
+    def _read_shard_map(self) -> tuple[dict[str, float | torch.Tensor], dict[str, Placements]]:
+        """{local parameter name: ranks holding a copy}, {local name: its placements}, from the
+        shard map. Keyed by name, which survives .to() and to_empty() (they may replace the
+        Parameter objects). The counts are on the device the model is built on;
+        squared_grad_sum moves one to its gradient's device."""
+        entries = shard_map(self)
+        return {e.local: e.copies for e in entries}, {e.local: e.placements for e in entries}
 
     def grad_sync_params(self) -> list[nn.Parameter]:
         """The parameters whose gradients `sync_grads` changes: every one with CP, else the

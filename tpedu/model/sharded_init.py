@@ -96,7 +96,7 @@ def materialize(model: TPGPT) -> TPGPT:
     marked = {n for n, p in model.named_parameters() if getattr(p, "sequence_parallel", 0)}
     model.to_empty(device="cpu")
     mark_sequence_parallel(p for n, p in model.named_parameters() if n in marked)
-    model._copies = model._count_copies()  # its per-row qkv counts were made on meta
+    model._copies, model._placements = model._read_shard_map()  # qkv counts were made on meta
     _no_meta_left(model)
     return model
 

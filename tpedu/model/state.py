@@ -33,11 +33,12 @@ exactly the model built at the new tp.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from tpedu.comm.placement import Placement, Placements, Replicate, Shard, declared
 from tpedu.model.config import GPTConfig
 from tpedu.model.dense import DenseGPT
 from tpedu.tp.attention import local_heads, qkv_rows, split_qkv
@@ -71,8 +72,19 @@ def merge_qkv(shards: list[torch.Tensor], n_heads: int, n_kv_heads: int) -> torc
 KINDS = ("replicated", "sequence", "column", "row", "qkv", "vocab")
 
 
+# A kind's placement over the TP group, in DTensor's terms (tpedu.comm.placement).
+TP_PLACEMENTS: dict[str, Placement] = {
+    "column": Shard(0),
+    "row": Shard(1),
+    "qkv": Shard(0),  # by heads
+    "vocab": Shard(0),  # by rows, padded
+    "replicated": Replicate(),
+    "sequence": Replicate(),  # a copy, fed s/t positions: its gradient is summed over TP
+}
+
+
 @dataclass(frozen=True)
-class Shard:
+class Entry:
     """One parameter of a rank's model in the shard map."""
 
     name: str  # the dense name (DenseGPT's key, blocks by global index)
@@ -81,6 +93,7 @@ class Shard:
     kind: str  # one of KINDS
     copies: float | torch.Tensor  # ranks holding each element (a per-row tensor for qkv)
     tied_copy: bool = False  # the last stage's copy of a tied embedding (not saved)
+    placements: Placements = field(default_factory=dict)  # per mesh axis: tp, and any declared
 
     @property
     def stored_kind(self) -> str:
@@ -99,15 +112,15 @@ def dense_name(local: str, layer_ids: Sequence[int], tied: bool) -> tuple[str, b
     return local, False
 
 
-def shard_map(model: nn.Module | Sequence[nn.Module]) -> list[Shard]:
+def shard_map(model: nn.Module | Sequence[nn.Module]) -> list[Entry]:
     """Every parameter of a TPGPT stage (or a rank's list of pipeline chunks), in module order.
     No communication. (tests/test_state.py checks, for every parameter of GPT-2- and
     Llama-style models, that its shape is what `split_tensor` gives its kind.)"""
     chunks = [model] if isinstance(model, nn.Module) else list(model)
-    out: list[Shard] = []
+    out: list[Entry] = []
     for m in chunks:
         config, tp = m.config, m.tp
-        modules = dict(m.named_modules())
+        modules, placed = dict(m.named_modules()), declared(m)
         for local, p in m.named_parameters():
             name, tied = dense_name(local, m.layer_ids, config.tie_embeddings)
             owner, _, pname = local.rpartition(".")
@@ -118,7 +131,8 @@ def shard_map(model: nn.Module | Sequence[nn.Module]) -> list[Shard]:
             if kind == "qkv":
                 rows = modules[owner].copies().to(p.device)
                 copies = rows[:, None] if p.dim() == 2 else rows
-            out.append(Shard(name, local, p, kind, copies, tied))
+            where = {"tp": TP_PLACEMENTS[kind], **placed[local]}
+            out.append(Entry(name, local, p, kind, copies, tied, where))
     return out
 
 

@@ -39,9 +39,11 @@ ep·J:
         group only: here that group is one rank.) Averaging them over the EP group instead mixes
         different experts' gradients (expert j on rank r with expert j on rank r'): wrong.
     the input: dL_r/dx = ep · dJ/dx for this rank's tokens (as in data parallelism).
-`reduce_gradients()` does exactly this; `expert_parameters()`, `replicated_parameters()` and
-`is_expert_parameter(name)` name the two sets for DataParallel / ZeRO, which must reduce the
-expert ones over the expert-data-parallel group only.
+`reduce_gradients()` does exactly this; `expert_parameters()` and `replicated_parameters()` name
+the two sets. The module declares the experts' placement, Shard(0) over "ep" (its
+`placements`; tpedu.comm.placement), and DataParallel's and ZeRO's groups, the gradient norm and
+the checkpoint writer read it there: they reduce the expert ones over the expert-data-parallel
+group only.
 
 On the meta device (lesson 13's dry run) the router still runs (shapes), but which experts it
 chooses cannot be computed: the forward then assumes balanced routing (`balanced_routing`:
@@ -60,6 +62,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tpedu.comm import collectives
+from tpedu.comm.placement import Shard, declared, sharded_on
 from tpedu.moe.dense import DenseMoE, MoEOutput
 from tpedu.moe.dispatch import all_reduce_sum, all_to_all_tokens, exchange_counts, expert_major
 from tpedu.moe.router import capacity, keep_mask, load_balancing_loss
@@ -123,12 +126,6 @@ class MetaRouting:
     dropped: int
 
 
-def is_expert_parameter(name: str) -> bool:
-    """True for a parameter name inside an `experts` ModuleList (e.g. 'moe.experts.3.fc1.weight'),
-    which is not replicated over the EP group; the router's and the shared expert's are."""
-    return ".experts." in f".{name}"
-
-
 class ExpertParallelMoE(nn.Module):
     """DenseMoE with its experts split over the EP `group`, built from the dense module (the
     same on every rank): x [..., H] (this rank's tokens) -> MoEOutput (y [..., H]).
@@ -170,6 +167,10 @@ class ExpertParallelMoE(nn.Module):
         mine = range(self.first_expert, self.first_expert + self.local_experts)
         self.experts = nn.ModuleDict({str(i): local(dense.experts[i]) for i in mine})
         self.last_send_counts: list[int] = []
+
+    # Over ep, this rank holds E/ep of the experts (stacked along a new dim 0, slice
+    # first_expert ..): their gradients are its own, never summed with another EP rank's.
+    placements = {"experts.": {"ep": Shard(0)}}
 
     @classmethod
     def from_dense(
@@ -270,7 +271,8 @@ class ExpertParallelMoE(nn.Module):
 
     def replicated_parameters(self) -> list[nn.Parameter]:
         """The router's and the shared expert's parameters: the same on every EP rank."""
-        return [p for n, p in self.named_parameters() if not is_expert_parameter(n)]
+        placed = declared(self)
+        return [p for n, p in self.named_parameters() if not sharded_on(placed[n], "ep")]
 
     def reduce_gradients(self) -> None:
         """After backward, the DP step of a group that is all EP (see the module docstring):

@@ -23,7 +23,6 @@ over equal-sized batches is the mean over the global batch.
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
@@ -100,8 +99,8 @@ class DataParallel(GradientSync):
     Every DP rank must run the same backward (same graph), so buckets start in the same order.
     `reduce_dtype` (e.g. torch.bfloat16) sends the buckets in that dtype: half the bytes of
     fp32, and the sum of N replicas rounded at every step of the ring (lesson 16 measures it).
-    `events`: set it to a list to record ("launch <bucket>", perf_counter()) per all-reduce
-    started and ("finish", ...), ("finished", ...) around finish() (lesson 12's timeline).
+    Its timeline (lesson 12) is the rank's recording: tpedu.comm.recorder logs every bucket's
+    asynchronous all-reduce as issued and when it was waited on.
 
     Expert parallelism (lesson 18): `experts` (parameters of the experts this rank holds) go in
     buckets of their own, summed over `expert_group` (the expert-data-parallel group: the DP
@@ -134,7 +133,6 @@ class DataParallel(GradientSync):
                 for b in assign_buckets([p.numel() for p in params], bucket_numel)
             ]
         self.launched: list[_Bucket] = []  # in launch order (the same on every DP rank)
-        self.events: list[tuple[str, float]] | None = None  # off unless the caller sets a list
         for bucket in self.buckets:
             for p in bucket.params:
                 p.register_post_accumulate_grad_hook(self._hook(bucket))
@@ -157,14 +155,10 @@ class DataParallel(GradientSync):
         if dist.get_world_size(bucket.group) > 1:
             bucket.work = collectives.all_reduce(bucket.buf, bucket.group, async_op=True)
         self.launched.append(bucket)
-        if self.events is not None:
-            self.events.append((f"launch {self.buckets.index(bucket)}", time.perf_counter()))
 
     def finish(self) -> None:
         """Start any bucket whose gradients never all arrived (unused parameters), wait for all,
         and write each averaged gradient back into .grad."""
-        if self.events is not None:
-            self.events.append(("finish", time.perf_counter()))
         for bucket in self.buckets:
             if bucket not in self.launched:
                 self._launch(bucket)
@@ -181,8 +175,6 @@ class DataParallel(GradientSync):
                 offset += p.numel()
             bucket.ready, bucket.buf, bucket.work = 0, None, None
         self.launched = []
-        if self.events is not None:
-            self.events.append(("finished", time.perf_counter()))
 
 
 def all_reduce_grads(params: Iterable[nn.Parameter], group: dist.ProcessGroup | None = None) -> int:

@@ -95,8 +95,13 @@ class Layout:
 
     def __repr__(self) -> str:
         shown = {"tp": self.tp, "pp": self.pp, "dp": self.dp, "cp": self.cp}
-        shown |= {"ep": self.ep} if self.ep > 1 else {}  # carved from dp: news only when used
-        return f"Layout({', '.join(f'{k}={v}' for k, v in shown.items())})"
+        return f"Layout({', '.join(f'{k}={v}' for k, v in (shown | self.carved).items())})"
+
+    @property
+    def carved(self) -> dict[str, int]:
+        """{"ep": ep} when the DP ranks are carved into EP groups (ep > 1), else {}: carved
+        from dp, ep is news only when used."""
+        return {"ep": self.ep} if self.ep > 1 else {}
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -125,6 +130,12 @@ class Layout:
         for name, size in self.sizes.items():
             rank, out[name] = divmod(rank, size)
         return out
+
+    def expert_coords(self, rank: int) -> dict[str, int]:
+        """Global rank -> {"ep": its place in its EP group, "edp": which replica of those
+        experts it holds}: ep is carved from dp, dp index = ep + self.ep · edp."""
+        edp, ep = divmod(self.coords(rank)["dp"], self.ep)
+        return {"ep": ep, "edp": edp}
 
     def rank(self, **coords: int) -> int:
         """{axis: index} -> global rank (an axis left out: index 0)."""
@@ -248,7 +259,8 @@ class Mesh:
             self.groups["ep"], self.members["ep"] = collectives.own_group("ep"), [self.rank]
         return self.groups["ep"]
 
-    ep_rank = property(lambda self: self.coords["dp"] % self.layout.ep)
+    ep_rank = property(lambda self: self.layout.expert_coords(self.rank)["ep"])
+    edp_rank = property(lambda self: self.layout.expert_coords(self.rank)["edp"])
 
     def __repr__(self) -> str:
         return f"Mesh(rank {self.rank}: {describe_coords(self.layout, self.rank)})"
@@ -260,8 +272,8 @@ def describe_coords(layout: Layout, rank: int) -> str:
     names = [n for n in layout.group_names() if n in AXIS_NAMES]
     coords = layout.coords(rank)
     parts = [f"{n} {coords[n]}/{layout.sizes[n]}" for n in names]
-    if layout.ep > 1:  # carved from dp, not an axis: dp_rank = ep_rank + ep · edp_rank
-        parts.append(f"ep {coords['dp'] % layout.ep}/{layout.ep}")
+    if layout.ep > 1:  # carved from dp, not an axis of the grid
+        parts.append(f"ep {layout.expert_coords(rank)['ep']}/{layout.ep}")
     return ", ".join(parts)
 
 

@@ -44,8 +44,10 @@ def count_parameters(config: GPTConfig) -> int:
 
 
 def describe(parallel: ParallelConfig) -> str:
-    """'tp=2 cp=2 pp=2 dp=2', the axes larger than 1 (tp always): the progress bar's name."""
-    return " ".join(f"{k}={n}" for k, n in parallel.layout.sizes.items() if n > 1 or k == "tp")
+    """'tp=2 cp=2 pp=2 dp=2 ep=2', the axes larger than 1 (tp always): the progress bar's name."""
+    layout = parallel.layout
+    shown = {k: n for k, n in layout.sizes.items() if n > 1 or k == "tp"}
+    return " ".join(f"{k}={n}" for k, n in (shown | layout.carved).items())
 
 
 @torch.no_grad()

@@ -11,8 +11,9 @@ from collections.abc import Sequence
 
 import torch
 
+from tpedu.comm.placement import sharded_on
 from tpedu.model.gpt import TPGPT
-from tpedu.moe.expert_parallel import is_expert_parameter
+from tpedu.model.state import shard_map
 from tpedu.parallel.data_parallel import DataParallel
 from tpedu.parallel.mesh import Mesh
 from tpedu.parallel.pipeline.runtime import tied_head_copy, tied_params
@@ -70,7 +71,7 @@ def make_sharded(
 
 def expert_params(chunks: Sequence[TPGPT]) -> list[torch.nn.Parameter]:
     """This rank's experts' parameters: with ep > 1 reduced over the edp group only."""
-    return [p for c in chunks for n, p in c.named_parameters() if is_expert_parameter(n)]
+    return [e.param for e in shard_map(chunks) if sharded_on(e.placements, "ep")]
 
 
 def make_data_parallel(

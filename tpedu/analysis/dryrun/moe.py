@@ -110,7 +110,7 @@ def moe_layer(config: GPTConfig, parallel: ParallelConfig, fig: RankFigures) -> 
     tokens = fig.micro_batch * c.seq_len // parallel.cp
     kept = balanced_routing(tokens, c.experts, c.top_k, c.capacity_factor).kept
     local = c.experts // ep
-    first = fig.coords["dp"] % ep * local
+    first = parallel.layout.expert_coords(fig.rank)["ep"] * local
     received = ep * sum(kept[first : first + local])
     return MoELayer(tokens, sum(kept), received, local, mlp_params(c, c.expert_ffn, parallel.tp))
 
