@@ -1,4 +1,4 @@
-"""Lessons 00–19: tpedu, tensor parallelism built from one split matmul up to a 4D-parallel GPT.
+"""Lessons 00–20: tpedu, tensor parallelism built from one split matmul up to a 4D-parallel GPT.
 
 Sub-packages and their modules, one idea each, with their lessons; lowest layer first (a module
 imports only its own layer and those below it: tests/test_structure.py checks it):
@@ -95,6 +95,8 @@ imports only its own layer and those below it: tests/test_structure.py checks it
             links         the links a replay prices communication on: α-β models by name
             replay        the ranks' logs replayed as if each rank had its own device
             trace         recorded and replayed timelines as a Chrome / Perfetto trace
+            clocks        one recording on three clocks (measured, replayed, priced), as a table
+            tp_overlap    TP's ways of hiding its communication, priced on an H100 node (20)
         dryrun/           one rank of a 1,000-GPU job on the meta device: bytes held and sent (13)
             figures       what a dry run measures on one rank, and how a figure is set
             measure       one rank's training step on the meta device, in a fake process group
@@ -107,7 +109,7 @@ imports only its own layer and those below it: tests/test_structure.py checks it
         claims            a lesson's claims, printed the same on every CPU, and asserted
         style             the figures' style, so that a figure can write the novel's text
         grading           the exercise grader behind `make grade`
-        proofs            lesson 04's proofs, run on the learner's picked functions (04)
+        proofs            proofs run on the learner's picked functions (00, 04)
         figures_basics    figures drawn from what the code records in a run (02–06)
         figures_model     the same for the GPT: a step's collectives, pipeline memory (07–11)
         figures_precision bf16 training: why the master weights stay fp32, measured (00)
