@@ -5,7 +5,7 @@ exercise has at least three, in order, and asks for them fail clearly. Stubs do 
 solutions are written out, not re-exported. pick: the reference's pieces run in the learner's
 module (tests/test_grading_cheats.py holds the ways around it that are refused). A check the
 tests cannot run (the capstone's author check) is named in the table, not counted as passed; every
-reviewed lesson's stored outputs say whose code ran for each picked piece it calls."""
+lesson's stored outputs say whose code ran for each picked piece it calls."""
 
 import ast
 import json
@@ -516,14 +516,7 @@ def _picked_uses(path):
     return uses, said
 
 
-# Lessons whose pick cells are still to be reviewed: they call picked pieces without a line
-# saying whose ran (11: the schedule, 12: the buckets and ZeRO, 15: the fits, 18: dispatch).
-UNREVIEWED = {"11", "12", "15", "18"}
-NOTEBOOKS = [
-    p
-    for p in sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
-    if p.name[:2] not in UNREVIEWED
-]
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])

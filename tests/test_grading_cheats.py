@@ -11,7 +11,10 @@ file changed) and points the grader at it; the real exercises/ is never touched.
   "yours", in pick's line, in whose() and in the grade;
 - lesson 00's ledger with a wrong function: its claim fails, with no ✓ from the reference's;
 - lesson 02's ring written without its two phases: the line names only what ran (watch), not
-  the reference's phases, which never did.
+  the reference's phases, which never did;
+- lessons 12 and 15 with one wrong piece (buckets from the first parameter, a sum for a mean,
+  memory kept after free, a ZeRO stage sharding the wrong part, a ring of N - 1 steps, α and β
+  swapped): the claim on it fails and names the cause, with no ✓ from the reference's.
 """
 
 import os
@@ -25,6 +28,7 @@ import pytest
 import torch
 
 import tpedu
+from tpedu.comm.cost_model import AlphaBeta
 from tpedu.course import grading, proofs
 
 ROOT = grading.ROOT
@@ -392,3 +396,112 @@ def test_lesson_01_names_a_split_only_when_a_matmul_calls_it(course, capsys):
     assert called == ["column_parallel_matmul", "row_parallel_matmul", "split_rows"]
     line = grading.ran(m, *called)
     assert line == "your column_parallel_matmul and the reference's row_parallel_matmul, split_rows"
+
+
+# ---- lessons 12 and 15: the checks run on the picked pieces, and a wrong one is refused
+
+
+def _solution_with(name, old, new):
+    """The reference of exercise `name` with `old` replaced by `new`: a learner's file, all of
+    it written, with one bug."""
+    text = (ROOT / "solutions" / f"{name}.py").read_text(encoding="utf-8")
+    assert text.count(old) == 1, old
+    return text.replace(old, new)
+
+
+def test_lesson_12_buckets_refuses_buckets_filled_from_the_first_parameter(course, capsys):
+    wrong = _solution_with(
+        "l12_bucketed_allreduce", "in reversed(range(len(numels)))", "in range(len(numels))"
+    )
+    course("l12_bucketed_allreduce", wrong)
+    m = grading.pick("l12_bucketed_allreduce")
+    capsys.readouterr()
+    with pytest.raises(
+        AssertionError, match=r"assign_buckets.*got \[\[0\], \[1, 2\], \[3\]\]\.\n.*from the first"
+    ):
+        proofs.buckets(m)
+    assert capsys.readouterr().out == "your assign_buckets, all_reduce_bucket:\n"  # no ✓
+
+
+def test_lesson_12_buckets_refuses_a_sum_for_a_mean(course, capsys):
+    wrong = _solution_with("l12_bucketed_allreduce", "flat /= dist.get_world_size(group)", "")
+    course("l12_bucketed_allreduce", wrong)
+    m = grading.pick("l12_bucketed_allreduce")
+    with pytest.raises(AssertionError, match=r"all_reduce_bucket on 2 ranks.*\n.*not divided"):
+        proofs.buckets(m)
+    assert capsys.readouterr().out.count("✓") == 1  # assign_buckets' claim only
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "refused"),
+    [
+        ("return out / size", "return out", r"reduce_scatter_mean.*\n.*sum not divided"),
+        (
+            "self.full.untyped_storage().resize_(0)  # the memory goes",
+            "pass  # the memory stays",
+            r"LazyParams.*24, 24\).*\n.*kept at rest or after free",
+        ),
+        (
+            "psi * weight_bytes / (dp if stage >= 3 else 1)",
+            "psi * weight_bytes / (dp if stage >= 2 else 1)",
+            r"ZeRO-0..3.*\n.*shards the wrong part",
+        ),
+    ],
+    ids=["sum", "kept", "stage"],
+)
+def test_lesson_12_zero_refuses_each_wrong_piece(course, capsys, old, new, refused):
+    course("l12_zero", _solution_with("l12_zero", old, new))
+    m = grading.pick("l12_zero")
+    capsys.readouterr()
+    with pytest.raises(AssertionError, match=refused):
+        proofs.zero(m)
+    assert "your reduce_scatter_mean, LazyParams, zero_bytes_per_rank:" in capsys.readouterr().out
+
+
+def _records():
+    from tpedu.comm.tracer import CommRecord
+
+    ops = [("all_reduce", 2, 4096), ("all_gather", 4, 8192), ("reduce_scatter", 2, 1024)]
+    return [CommRecord(op, "tp", n, b // 4, b, 0.0, "forward") for op, n, b in ops]
+
+
+_LINKS = {"gloo": AlphaBeta(5e-4, 2e-9)}  # lesson 15's CPU box
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "refused"),
+    [
+        ("steps = 2 * (ranks - 1)", "steps = ranks - 1", r"ring all-reduce.*\n.*N - 1 steps"),
+        (
+            '"all_reduce": lambda n: (2 * (n - 1),',
+            '"all_reduce": lambda n: (n - 1,',
+            r"gloo.*\n.*another's steps",
+        ),  # fmt: skip
+        (
+            "return float(alpha), float(beta)",
+            "return float(beta), float(alpha)",
+            r"fit.*\n.*swapped",
+        ),  # fmt: skip
+    ],
+    ids=["ring", "step", "fit"],
+)
+def test_lesson_15_alpha_beta_refuses_each_wrong_piece(course, capsys, old, new, refused):
+    course("l15_alpha_beta", _solution_with("l15_alpha_beta", old, new))
+    m = grading.pick("l15_alpha_beta")
+    capsys.readouterr()
+    with pytest.raises(AssertionError, match=refused):
+        proofs.alpha_beta(m, _records(), _LINKS)
+    out = capsys.readouterr().out
+    assert out.startswith("your ring_all_reduce_seconds, step_comm_seconds, fit_alpha_beta:\n")
+
+
+def test_lessons_12_and_15_pass_the_reference_and_name_it(monkeypatch, capsys):
+    monkeypatch.setenv("TPEDU_IMPL", "solutions")
+    proofs.buckets(grading.pick("l12_bucketed_allreduce"))
+    proofs.zero(grading.pick("l12_zero"))
+    proofs.alpha_beta(grading.pick("l15_alpha_beta"), _records(), _LINKS)
+    out = capsys.readouterr().out
+    assert "the reference's assign_buckets, all_reduce_bucket:" in out
+    assert "the reference's reduce_scatter_mean, LazyParams, zero_bytes_per_rank:" in out
+    assert "the reference's ring_all_reduce_seconds, step_comm_seconds, fit_alpha_beta:" in out
+    assert "your" not in out and out.count("✓") == 2 + 3 + 3

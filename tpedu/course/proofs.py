@@ -1,4 +1,4 @@
-"""Lessons 00–04: the proofs, run on the exercise's code: the module `pick` returned (the
+"""Lessons 00–15: the proofs, run on the exercise's code: the module `pick` returned (the
 learner's functions where written, the reference's for the rest). Each prints whose code ran and
 one line per claim, and a failed claim raises naming the bugs that usually cause it.
 
@@ -12,6 +12,12 @@ Lesson 04, the parallel MLP:
     route(m, par.fc1, par.fc2)       # the layers now run m.column_parallel_linear and m.row_...
     result = tpedu.launch(mlp_vs_dense, 2, m, "gelu", 6, 16, 2, 3)[0]
     show_mlp(m, result)              # one line per claim; raises with its likely causes
+
+Lesson 12, buckets and ZeRO; lesson 15, the α-β price:
+
+    buckets(m)                       # assign_buckets, all_reduce_bucket on 2 ranks
+    zero(m)                          # reduce_scatter_mean, LazyParams, zero_bytes_per_rank
+    alpha_beta(m, records, links)    # the ring by hand, a traced step, the fit
 """
 
 from __future__ import annotations
@@ -182,3 +188,123 @@ def show_mlp(m: ModuleType, result: dict, tol: float = TOL) -> None:
             CAUSES[phase],
         )
     print(result["table"], "\n")
+
+
+def _bucket_worker(m: ModuleType) -> tuple[list, int, int]:
+    """On every rank: rank r's gradients are (r + 1)·[ones(2, 3), arange(4)]; the bucket's
+    means, and the all-reduces and other collectives it took."""
+    r, dev = dist.get_rank(), tpedu.device()
+    grads = [torch.full((2, 3), float(r + 1), device=dev), torch.arange(4.0, device=dev) * (r + 1)]
+    with CommTracer() as trace:
+        out = m.all_reduce_bucket(grads)
+    calls = trace.count(op="all_reduce")
+    return [o.tolist() for o in out], calls, trace.count() - calls
+
+
+def buckets(m: ModuleType) -> None:
+    """Lesson 12: print and assert the claims on `m`'s bucket pieces (exercise
+    l12_bucketed_allreduce, as `pick` returned it): buckets filled from the last parameter, and
+    a bucket averaged over 2 ranks with one all-reduce."""
+    print(f"{ran(m, 'assign_buckets', 'all_reduce_bucket')}:")
+    got = m.assign_buckets([7, 3, 5, 2], 6)
+    claims.claim(
+        "assign_buckets([7, 3, 5, 2], 6) = [[3, 2], [1, 0]], the last parameters first",
+        got == [[3, 2], [1, 0]],
+        f"got {got}",
+        "buckets filled from the first parameter (backward finishes the last first); a bucket "
+        "closed before it holds bucket_numel elements",
+    )
+    want = [[[1.5] * 3] * 2, [0.0, 1.5, 3.0, 4.5]]
+    runs = tpedu.launch(_bucket_worker, 2, m)
+    claims.claim(
+        "all_reduce_bucket on 2 ranks: 1 all-reduce; means 1.5 and [0.0, 1.5, 3.0, 4.5]",
+        all(out == want and calls == 1 and others == 0 for out, calls, others in runs),
+        f"rank 0 got {runs[0][0]} with {runs[0][1]} all-reduce(s), {runs[0][2]} other(s)",
+        "one all-reduce per tensor, not one per bucket; the sum not divided by the number of "
+        "ranks; the flat buffer not cut back into the tensors' shapes",
+    )
+
+
+def _zero_worker(m: ModuleType) -> tuple[list, int, list, int, int]:
+    """On every rank: (r + 1)·arange(5) reduce-scattered; that shard as a LazyParams of 5
+    elements: (shard, bytes at rest, gathered values, bytes gathered, bytes after free)."""
+    flat = torch.arange(5.0, device=tpedu.device()) * (dist.get_rank() + 1)  # pad 1 on 2 ranks
+    shard = m.reduce_scatter_mean(flat)
+    lazy = m.LazyParams(shard, 5)
+    rest = lazy.held_bytes()
+    whole = lazy.gather().tolist()
+    held = lazy.held_bytes()
+    lazy.free()
+    return shard.tolist(), rest, whole, held, lazy.held_bytes()
+
+
+PAPER = (120.0, 31.4, 16.6, 1.9)  # ZeRO's Figure 1: GB per rank, 7.5 B parameters, 64 ranks
+
+
+def zero(m: ModuleType) -> None:
+    """Lesson 12: print and assert the claims on `m`'s ZeRO pieces (exercise l12_zero, as
+    `pick` returned it) on 2 ranks: the shards of the mean, the bytes LazyParams holds at rest,
+    gathered and freed, and zero_bytes_per_rank against the paper's Figure 1."""
+    print(f"{ran(m, 'reduce_scatter_mean', 'LazyParams', 'zero_bytes_per_rank')}:")
+    runs = tpedu.launch(_zero_worker, 2, m)
+    shards = [r[0] for r in runs]
+    claims.claim(
+        "reduce_scatter_mean: rank 0 [0.0, 1.5, 3.0], rank 1 [4.5, 6.0, 0.0]",
+        shards == [[0.0, 1.5, 3.0], [4.5, 6.0, 0.0]],
+        f"got {shards}",
+        "the sum not divided by the number of ranks; no padding to a multiple of N (the last "
+        "shard short); the shards not in rank order",
+    )
+    seen = [r[1:] for r in runs]
+    claims.claim(
+        "LazyParams: 0 bytes whole at rest, 24 gathered ([0.0, 1.5, 3.0, 4.5, 6.0]), 0 after free",
+        all(s == (0, [0.0, 1.5, 3.0, 4.5, 6.0], 24, 0) for s in seen),
+        f"(at rest, gathered, held, after free) per rank: {seen}",
+        "the whole buffer kept at rest or after free (resize its storage to 0); the padding "
+        "not cut off by gather",
+    )
+    gb = [sum(m.zero_bytes_per_rank(7.5e9, 64, k)) / 1e9 for k in range(4)]
+    claims.claim(
+        f"7.5 B parameters on 64 ranks, GB per rank, ZeRO-0..3: {list(PAPER)} (the paper's)",
+        all(abs(g - p) <= 0.05 for g, p in zip(gb, PAPER, strict=True)),  # its digits
+        f"got {gb}",
+        "a stage that shards the wrong part (1: the optimizer states, 2: and the gradients, 3: "
+        "and the weights); bytes per parameter other than 2 + 2 + 12",
+    )
+
+
+def alpha_beta(m: ModuleType, records: list, links: dict) -> None:
+    """Lesson 15: print and assert the claims on `m`'s pieces (exercise l15_alpha_beta, as
+    `pick` returned it): the ring all-reduce by hand, step_comm_seconds on a step's tracer
+    `records` against cost_model's price under each AlphaBeta of `links`, and α, β fitted back
+    from exact times."""
+    print(f"{ran(m, 'ring_all_reduce_seconds', 'step_comm_seconds', 'fit_alpha_beta')}:")
+    # 4 ranks, 8 bytes: 6 steps of one 2-byte chunk, each 0.5 + 2 * 0.25 = 1 s
+    ring = m.ring_all_reduce_seconds(8, 4, 0.5, 0.25)
+    claims.claim(
+        "ring all-reduce, 8 bytes on 4 ranks at α 0.5 s, β 0.25 s/B: 6.0 s",
+        ring == 6.0,
+        f"got {ring} s",
+        "N - 1 steps instead of 2(N - 1); each step sending all n bytes, not a chunk of n/N",
+    )
+    for name, ab in links.items():
+        got = m.step_comm_seconds(records, ab.alpha, ab.beta)
+        want = sum(ab.predict(r.op, r.bytes, r.group_size) for r in records)
+        claims.check(
+            f"{name:<20} {1e3 * want:8.3f} ms, relative",
+            abs(got - want) / want,
+            1e-12,
+            "step_comm_seconds - cost_model",
+            causes="an op priced with another's steps (all-reduce 2(N - 1), all-gather and "
+            "reduce-scatter N - 1); a one-rank group not free; the bytes not split n/N",
+        )
+    sizes = [2**k for k in range(10, 21, 2)]  # 1 KiB to 1 MiB, the CPU box's link
+    alpha, beta = m.fit_alpha_beta(sizes, [5e-4 + n / 0.5e9 for n in sizes])
+    claims.check(
+        "fitted from exact times: α 500 µs, 1/β 0.5 GB/s, relative",
+        max(abs(alpha - 5e-4) / 5e-4, abs(beta - 2e-9) / 2e-9),
+        1e-12,
+        "fit - truth",
+        causes="α and β swapped (α is the constant term, β the one per byte); a fit that "
+        "clips α or β to 0 when the data need neither",
+    )
