@@ -69,7 +69,7 @@ PYTEST := $(PY) -m pytest -p no:cacheprovider
 # The capstone, the longest lesson, goes first so that the workers finish together.
 JOBS ?= 2
 WORKERS := -n $(JOBS) --dist loadfile
-CAPSTONE := notebooks/19_capstone.ipynb
+CAPSTONE := notebooks/20_capstone.ipynb
 NOTEBOOKS := $(CAPSTONE) $(filter-out $(CAPSTONE),$(sort $(wildcard notebooks/*.ipynb)))
 
 # The whole suite: package tests, exercise tests against solutions/, every notebook under nbval.

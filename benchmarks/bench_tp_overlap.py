@@ -7,7 +7,7 @@ alternating runs).
 
 `--priced`: instead, one recorded block step per way (h 128, s 64, b 4) priced as a 7B-like
 layer (h 4096, s 4096) on an H100 SXM node with NVLink links (tpedu.analysis.clock.tp_overlap,
-lesson 20): not a measurement, a replay of this machine's recording on a modelled device.
+lesson 19): not a measurement, a replay of this machine's recording on a modelled device.
 
 The ways: plain TP; Megatron's asynchronous dL/dx all-reduce beside dL/dW (`overlap_comm`);
 micro-batch-split blocks (`tp_overlap="chunks"`, 2 and 4 chunks: each chunk's all-reduce runs

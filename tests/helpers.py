@@ -142,7 +142,7 @@ def launches(*args):
     return True
 
 
-# The capstone's artefacts (tests/test_capstone.py, tests/exercises/test_l19_capstone.py)
+# The capstone's artefacts (tests/test_capstone.py, tests/exercises/test_l20_capstone.py)
 
 
 def make_artefacts(work, choice, steps=4, new=8, why=None):

@@ -373,12 +373,12 @@ def choose(found, seconds, budget):
     c = min((c for c in found if c.fits(budget)), key=lambda c: c.peak)
     return c.parallel, f"{describe(c.parallel)}: {c.peak / 1e6:.2f} MB held"
 """
-BORROWED = "from solutions.l19_capstone import survey, choose\n"
+BORROWED = "from solutions.l20_capstone import survey, choose\n"
 AT_RUN_TIME = OWN.replace(
     "def survey(config, budget):",
     "def survey(config, budget):\n"
     "    import importlib\n\n"
-    "    return importlib.import_module('sol' + 'utions.l19_capstone').survey(config, budget)\n\n\n"
+    "    return importlib.import_module('sol' + 'utions.l20_capstone').survey(config, budget)\n\n\n"
     "def _unused(config, budget):",
 )
 AUTHOR = capstone.AUTHOR_CHECK
@@ -417,7 +417,7 @@ def test_a_choice_from_solutions_is_not_yours(work, tmp_path):
     """Imported from solutions/, or the reference module itself (what `pick` returns under
     TPEDU_IMPL=solutions): the reference's, whatever choice.json says."""
     choose_with(work, learner(tmp_path, OWN))
-    for module in (learner(tmp_path, BORROWED), implementation("l19_capstone", "solutions")):
+    for module in (learner(tmp_path, BORROWED), implementation("l20_capstone", "solutions")):
         check = by_name(capstone.check_capstone(work, exercise=module))[AUTHOR]
         assert not check.ok and "survey and choose are the reference's (solutions/)" in check.detail
 
@@ -426,7 +426,7 @@ def test_a_choice_that_reaches_solutions_at_run_time_is_not_yours(work, tmp_path
     choose_with(work, learner(tmp_path, OWN))
     check = by_name(capstone.check_capstone(work, exercise=learner(tmp_path, AT_RUN_TIME)))[AUTHOR]
     assert not check.ok and "your survey or choose reaches solutions/" in check.detail
-    assert callable(importlib.import_module("solutions.l19_capstone").choose)  # importable again
+    assert callable(importlib.import_module("solutions.l20_capstone").choose)  # importable again
 
 
 def test_a_choice_json_your_choose_did_not_write_is_caught(work, tmp_path):

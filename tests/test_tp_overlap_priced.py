@@ -1,7 +1,7 @@
-"""Pricing a recorded TP step on an H100 node (tpedu.analysis.clock.tp_overlap, lesson 20): the
+"""Pricing a recorded TP step on an H100 node (tpedu.analysis.clock.tp_overlap, lesson 19): the
 layer's FLOPs are the shape module's, hand-built logs price to the α-β and FLOPs arithmetic
 exactly (the CPU inside a call dropped, each rank its own factor, bytes scaled), and a real
-recording of every way prices as lesson 20 says: the same compute, n times the messages, less
+recording of every way prices as lesson 19 says: the same compute, n times the messages, less
 exposed communication with chunks and with the ring."""
 
 import pytest

@@ -13,7 +13,7 @@ imports only its own layer and those below it: tests/test_structure.py checks it
         volumes           bytes each rank sends, and message steps, of each ring collective
         cost_model        the α-β model of collective time, fitted on this machine (again in 15)
         ring              a ring all-reduce written with send/recv
-    tp/                   tensor parallelism itself (lessons 01–08; KV cache 17; overlap 15, 20)
+    tp/                   tensor parallelism itself (lessons 01–08; KV cache 17; overlap 15, 19)
         matmul_split      column and row splits of one matmul, on one process (01)
         operators         the conjugate operators f, f̄, scatter and gather (03)
         sharding          shard a dense tensor per rank, and gather it back (04)
@@ -44,7 +44,7 @@ imports only its own layer and those below it: tests/test_structure.py checks it
         expert_parallel   ExpertParallelMoE: the experts split over the EP ranks
     model/                the GPT (lessons 07–14)
         config            GPTConfig: a GPT-2- or Llama-style model's shapes and arithmetic (07)
-        options           RunOptions: how a TPGPT runs on its ranks, never what it computes (08–19)
+        options           RunOptions: how a TPGPT runs on its ranks, never what it computes (08–20)
         dense             DenseGPT, the single-process reference (07)
         gpt               TPGPT, the tensor-parallel GPT (07; SP 08, CP 09, recompute 10, stages 11)
         sharded_init      build a rank's shards without ever holding the dense model (07–14)
@@ -96,7 +96,7 @@ imports only its own layer and those below it: tests/test_structure.py checks it
             replay        the ranks' logs replayed as if each rank had its own device
             trace         recorded and replayed timelines as a Chrome / Perfetto trace
             clocks        one recording on three clocks (measured, replayed, priced), as a table
-            tp_overlap    TP's ways of hiding its communication, priced on an H100 node (20)
+            tp_overlap    TP's ways of hiding its communication, priced on an H100 node (19)
         dryrun/           one rank of a 1,000-GPU job on the meta device: bytes held and sent (13)
             figures       what a dry run measures on one rank, and how a figure is set
             measure       one rank's training step on the meta device, in a fake process group
@@ -105,7 +105,7 @@ imports only its own layer and those below it: tests/test_structure.py checks it
             predict_traffic the what-if's message volumes for a rank, and each named difference
             compare       every figure of a dry run beside its prediction
             table         a dry run as a table, and many ranks as a summary
-    course/               course infrastructure, and lesson 16's bug hunt and 19's capstone
+    course/               course infrastructure, and lesson 16's bug hunt and 20's capstone
         claims            a lesson's claims, printed the same on every CPU, and asserted
         style             the figures' style, so that a figure can write the novel's text
         grading           the exercise grader behind `make grade`
@@ -121,9 +121,9 @@ imports only its own layer and those below it: tests/test_structure.py checks it
         hunt_checks       a fix checked on runs its case never shows (16)
         mutation          a bug as one edit of tpedu's own source, shown as it ran (16)
         troubleshoot      gradient comparison between layouts, debug settings, numerics (16)
-        capstone          the capstone's budget, and its checks on the files a run leaves (19)
-        capstone_rerun    what its grader runs again: the resume, the learner's code (19)
-        figures_capstone  the capstone's figures, from what its tools measured (19)
+        capstone          the capstone's budget, and its checks on the files a run leaves (20)
+        capstone_rerun    what its grader runs again: the resume, the learner's code (20)
+        figures_capstone  the capstone's figures, from what its tools measured (20)
     grading               the grader's learner-facing names: `tpedu.grading.hint('l03', 1)`
     cli/                  `python -m tpedu`, the command line (lessons 02–14)
         parser            the argument parser: every subcommand and flag

@@ -316,12 +316,12 @@ def _layout_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _tp_overlap_flags(p: argparse.ArgumentParser) -> None:
-    """Hiding TP's communication under compute (lesson 20), beside --overlap-comm."""
+    """Hiding TP's communication under compute (lesson 19), beside --overlap-comm."""
     p.add_argument(
         "--tp-overlap",
         choices=TP_OVERLAPS,
         default="none",
-        help="hide TP's communication (lesson 20): chunks (batch chunks, one's all-reduce "
+        help="hide TP's communication (lesson 19): chunks (batch chunks, one's all-reduce "
         "under the next's compute) or ring (collective matmul; needs --sequence-parallel)",
     )
     p.add_argument(

@@ -1,4 +1,4 @@
-"""Course infrastructure: grader, figures, GPU checks; lesson 16's bug hunt, lesson 19's capstone.
+"""Course infrastructure: grader, figures, GPU checks; lesson 16's bug hunt, lesson 20's capstone.
 
     grading         the exercise grader behind `make grade`: exercises/ or solutions/ (every lesson)
     figures_basics  figures for lessons 02–06, drawn from what the code records in a run
@@ -13,7 +13,7 @@
     mutation        a bug as one edit of tpedu's own source, shown and run as it ran (lesson 16)
     figures_precision  bf16 training: why the master weights stay fp32, measured (lesson 00)
     troubleshoot    gradient comparison between layouts, debug settings, numerics (lesson 16)
-    capstone        the capstone's budget, and its checks on the files a run leaves (lesson 19)
+    capstone        the capstone's budget, and its checks on the files a run leaves (lesson 20)
     capstone_rerun  what the capstone's grader runs again: the resume; the learner's code (18)
     style           the figures' fonts: the novel's Chinese text drawn, not boxes (every lesson)
 

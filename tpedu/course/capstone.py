@@ -1,6 +1,6 @@
-"""Lesson 19: the capstone's budget, the tools that measure a layout against it, and its grader.
+"""Lesson 20: the capstone's budget, the tools that measure a layout against it, and its grader.
 
-The capstone (notebooks/19_capstone.ipynb) is a design task. A model pretrained on 红楼梦 moves
+The capstone (notebooks/20_capstone.ipynb) is a design task. A model pretrained on 红楼梦 moves
 to a machine of `BUDGET.ranks` ranks, each with `BUDGET.bytes_per_rank` of memory, where no rank
 may put more than `BUDGET.sent_per_rank` on the wire in one training step (what the ring
 algorithms send: tpedu.comm.volumes). Several layouts fit; they trade memory headroom against
@@ -552,7 +552,7 @@ def _check_author(work: Path, budget: Budget, exercise: ModuleType) -> str:
     if theirs:
         raise ValueError(
             f"{' and '.join(theirs)} {'is' if len(theirs) == 1 else 'are'} the reference's "
-            "(solutions/), not yours: write your own in exercises/l19_capstone.py"
+            "(solutions/), not yours: write your own in exercises/l20_capstone.py"
         )
     data = _read_json(work / "choice.json")
     config = checkpoint.read_config(work / "ckpt")
@@ -578,7 +578,7 @@ def check_capstone(
 ) -> list[Check]:
     """One Check per claim about the artefacts in `workdir` (see the module docstring); a
     missing or damaged file fails its check with the reason, never raises. With `exercise`
-    (the module `pick("l19_capstone")` returns), one more: the choice is your code's."""
+    (the module `pick("l20_capstone")` returns), one more: the choice is your code's."""
     work, out = Path(workdir), []
     checks = list(CHECKS)
     if exercise is not None:

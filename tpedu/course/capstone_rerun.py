@@ -1,4 +1,4 @@
-"""Lesson 19: what the capstone's grader runs again itself instead of trusting the files it
+"""Lesson 20: what the capstone's grader runs again itself instead of trusting the files it
 reads (tpedu.course.capstone uses both):
 
     losses, dense = resume_again(work / "resharded", cfg, parallel)   # the resumed run

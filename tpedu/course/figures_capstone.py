@@ -1,4 +1,4 @@
-"""Lesson 19: the capstone's figures, drawn from what its tools measured and its runs recorded.
+"""Lesson 20: the capstone's figures, drawn from what its tools measured and its runs recorded.
 
     fig = plot_candidates(found, BUDGET, seconds, CHOICE)   # the dry run's bytes held and
                                                             # on the wire, the budget's bounds,

@@ -377,8 +377,8 @@ def hint(name: str, level: int = 1) -> Hint:
 # Checks that an exercise's tests cannot run, because they need what its notebook makes. `make
 # grade` names them, so that passing every test does not read as passing the whole exercise.
 IN_NOTEBOOK = {  # exercise: (its notebook, the checks only it runs)
-    "l19_capstone": (
-        "notebooks/19_capstone.ipynb",
+    "l20_capstone": (
+        "notebooks/20_capstone.ipynb",
         ["the choice is your code's: your survey and choose, asked again, give your choice.json"],
     ),
 }

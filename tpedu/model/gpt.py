@@ -20,7 +20,7 @@ TP regions every rank keeps only its s/t positions; each all-reduce becomes a re
 sums the gradients of the replicated parameters that saw only a sequence shard. `recompute`
 (lesson 10): "selective" recomputes the attention core in backward, "full" the whole block from
 its input. `overlap_comm` (lesson 15): f's backward all-reduce runs while dL/dW is computed.
-`tp_overlap` (lesson 20): "chunks" runs each block as `tp_chunks` batch chunks, one chunk's
+`tp_overlap` (lesson 19): "chunks" runs each block as `tp_chunks` batch chunks, one chunk's
 all-reduce on the wire while the next computes (tpedu.tp.chunked); "ring" (with sequence
 parallelism) does every block's and the head's all-gather and reduce-scatter as ring steps
 under their matmuls (tpedu.tp.collective_matmul).
@@ -185,7 +185,7 @@ class TPBlock(nn.Module):
         self.seed, self.p, self.group = dense.seed, dense.p, group
         sequence_parallel, self.recompute = options.sequence_parallel, options.recompute
         self.sequence_parallel = sequence_parallel
-        # lesson 20: "chunks" (tpedu.tp.chunked) or "ring" (tpedu.tp.collective_matmul)
+        # lesson 19: "chunks" (tpedu.tp.chunked) or "ring" (tpedu.tp.collective_matmul)
         self.tp_overlap, self.tp_chunks = options.tp_overlap, options.tp_chunks
         # Replicated: the same on every rank (copies: the TP model must not share the dense one's).
         self.norm1, self.norm2 = copy.deepcopy(dense.norm1), copy.deepcopy(dense.norm2)

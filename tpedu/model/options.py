@@ -1,4 +1,4 @@
-"""Lessons 08–19: `RunOptions`, how a TPGPT runs on its ranks, never what it computes.
+"""Lessons 08–20: `RunOptions`, how a TPGPT runs on its ranks, never what it computes.
 
 One object, given to `TPGPT(dense, group, options=...)` and handed down to every block, so a
 new way of running is one field here and the code that reads it, not a keyword threaded
@@ -15,7 +15,7 @@ uses; the GPTConfig (what the model is) never holds any of it.
     cp_layout           ring or Ulysses attention over the group (None: no CP)
     ep_group            expert parallelism (lesson 18): the MoE layers' experts split over this
                         group's ranks, tokens traded with all-to-all (None: every expert here)
-    tp_overlap          hide TP's communication (lesson 20): "none"; "chunks", each block run
+    tp_overlap          hide TP's communication (lesson 19): "none"; "chunks", each block run
     tp_chunks           as tp_chunks batch chunks, one's all-reduce on the wire while the next
                         computes (tpedu.tp.chunked); "ring", sequence parallelism's all-gather
                         and reduce-scatter as ring steps under the matmuls

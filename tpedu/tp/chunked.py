@@ -1,4 +1,4 @@
-"""Lesson 20: hide a block's TP all-reduces by cutting the batch into chunks (seed §3.3;
+"""Lesson 19: hide a block's TP all-reduces by cutting the batch into chunks (seed §3.3;
 DeepSpeed's Domino, arXiv 2409.15241).
 
 Rows of a batch are independent until a weight sees them all, so a block can run as n chunks of

@@ -1,4 +1,4 @@
-"""Lesson 20: collective matmul: sequence parallelism's all-gather and reduce-scatter cut into
+"""Lesson 19: collective matmul: sequence parallelism's all-gather and reduce-scatter cut into
 t ring steps, each step's message on the wire while the step's matmul runs (Wang et al. 2023,
 "Overlap communication with dependent computation via decomposition"; Megatron-LM's and
 torchtitan's async TP).

@@ -1,4 +1,4 @@
-"""Lesson 20: what hiding TP's communication buys on an H100 node, priced from a step recorded
+"""Lesson 19: what hiding TP's communication buys on an H100 node, priced from a step recorded
 on CPU ranks.
 
     logs = tpedu.launch(record_block, tp, config, batch)[0]       # {way: every rank's log}

@@ -1,4 +1,4 @@
-"""Grades exercises/l20_ring_allgather_matmul.py: all-gather ─► matmul as a ring.
+"""Grades exercises/l19_ring_allgather_matmul.py: all-gather ─► matmul as a ring.
 
 Exactness: x and the weight are random integers stored as float64, so every product is an exact
 integer whatever the kernel or the order: the result must equal all_gather(x) @ weightᵀ bit for
@@ -18,7 +18,7 @@ from tpedu.comm import recorder
 from tpedu.comm.recorder import Comm, Wait
 from tpedu.course.grading import implementation
 
-NAME = "l20_ring_allgather_matmul"
+NAME = "l19_ring_allgather_matmul"
 B, N, H, OUT = 2, 3, 5, 4  # x [B, N, H] per rank: s = N·t; weight [OUT, H]
 MATMULS = {
     torch.matmul,

@@ -1,8 +1,8 @@
-"""Lesson 19 exercise: survey the layouts a budget allows, then choose one and say why.
+"""Lesson 20 exercise: survey the layouts a budget allows, then choose one and say why.
 
-Fill in `survey` and `choose`, then run `make grade EX=l19` (or
+Fill in `survey` and `choose`, then run `make grade EX=l20` (or
 `python -m tpedu.course.grading l19`);
-notebooks/19_capstone.ipynb calls both through `pick("l19_capstone")`, continues the pretrained
+notebooks/20_capstone.ipynb calls both through `pick("l20_capstone")`, continues the pretrained
 model under the layout `choose` returns, checkpoints, reshards and serves it, and grades the
 files that run leaves behind (the reason included).
 """

@@ -1,11 +1,11 @@
-"""Grades exercises/l19_capstone.py: the survey measures every layout of the space (and leaves
+"""Grades exercises/l20_capstone.py: the survey measures every layout of the space (and leaves
 out the ones the model cannot run); the choice is a layout within the budget, with a reason
 that names it first and cites a figure of it that the grader's dry run gives; and a run of it
 (train with checkpoints, reshard to tp 1, resume, serve at tp 1 and the chosen tp) passes every
 artefact check of tpedu.course.capstone.
 
 check_capstone's seventh check, that choice.json is what the learner's survey and choose return,
-needs the choice.json of the learner's own run, which only notebooks/19_capstone.ipynb writes:
+needs the choice.json of the learner's own run, which only notebooks/20_capstone.ipynb writes:
 it is not run here, and `make grade` says so (grading.IN_NOTEBOOK)."""
 
 from dataclasses import replace
@@ -18,7 +18,7 @@ from tpedu.course.capstone import BUDGET, MB, Budget, describe, measure
 from tpedu.course.grading import implementation
 from tpedu.parallel.config import ParallelConfig
 
-NAME = "l19_capstone"
+NAME = "l20_capstone"
 VOCAB = 4334  # the novel's characters (novel_data("char"))
 
 

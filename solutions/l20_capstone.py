@@ -1,4 +1,4 @@
-"""Reference for exercises/l19_capstone.py."""
+"""Reference for exercises/l20_capstone.py."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Reference for exercises/l20_ring_allgather_matmul.py: all-gather ─► matmul as a ring."""
+"""Reference for exercises/l19_ring_allgather_matmul.py: all-gather ─► matmul as a ring."""
 
 from __future__ import annotations
 

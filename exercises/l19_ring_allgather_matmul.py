@@ -1,4 +1,4 @@
-"""Lesson 20 exercise: all-gather ─► matmul as a ring (collective matmul, 集合矩阵乘).
+"""Lesson 19 exercise: all-gather ─► matmul as a ring (collective matmul, 集合矩阵乘).
 
 Sequence parallelism all-gathers x [b, s/t, H] along the sequence, then multiplies the whole
 [b, s, H] by this rank's column shard of a weight. Here the all-gather becomes t ring steps,
