@@ -10,7 +10,7 @@ The ring: t ranks of `group`, group-local rank r sends to (r+1) % t and receives
 tpedu.comm.collectives (the tracer and the recorder see them), never an all-gather, and wait
 for a step's messages only after that step's matmul.
 
-    make grade EX=l20        # or: python -m tpedu.course.grading l20
+    make grade EX=l19        # or: python -m tpedu.course.grading l19
 """
 
 from __future__ import annotations
@@ -33,5 +33,5 @@ def ring_all_gather_matmul(
     wait for the messages. t-1 sends of one shard each, nothing else. With t = 1: x @ weightᵀ.
     """
     raise NotImplementedError(
-        "l20: write the ring all-gather matmul; hint: tpedu.grading.hint('l20', 1)"
+        "l19: write the ring all-gather matmul; hint: tpedu.grading.hint('l19', 1)"
     )

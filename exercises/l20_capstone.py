@@ -1,7 +1,7 @@
 """Lesson 20 exercise: survey the layouts a budget allows, then choose one and say why.
 
 Fill in `survey` and `choose`, then run `make grade EX=l20` (or
-`python -m tpedu.course.grading l19`);
+`python -m tpedu.course.grading l20`);
 notebooks/20_capstone.ipynb calls both through `pick("l20_capstone")`, continues the pretrained
 model under the layout `choose` returns, checkpoints, reshards and serves it, and grades the
 files that run leaves behind (the reason included).
@@ -31,7 +31,7 @@ def survey(config: GPTConfig, budget: Budget) -> list[Candidate]:
     `choose`'s job.
     """
     raise NotImplementedError(
-        "l19: enumerate the layouts of the space and measure each; hint: tpedu.grading.hint('l19', 1)"
+        "l20: enumerate the layouts of the space and measure each; hint: tpedu.grading.hint('l20', 1)"
     )
 
 
@@ -53,5 +53,5 @@ def choose(
     Nothing within the budget -> ValueError saying so.
     """
     raise NotImplementedError(
-        "l19: pick one of the layouts within the budget and write down why; hint: tpedu.grading.hint('l19', 1)"
+        "l20: pick one of the layouts within the budget and write down why; hint: tpedu.grading.hint('l20', 1)"
     )

@@ -451,19 +451,19 @@ def test_grade_records_each_failing_test_and_its_first_line(demo_course):
 
 
 def test_the_capstones_author_check_is_named_as_run_only_in_the_notebook():
-    """make grade runs tests/exercises/test_l19_capstone.py, whose check_capstone has no
+    """make grade runs tests/exercises/test_l20_capstone.py, whose check_capstone has no
     exercise module: the seventh check (the choice is your code's) never runs there. The table
     says so, and all tests passing does not read "done"."""
     from tpedu.course import capstone
 
-    notebook, checks = grading.IN_NOTEBOOK["l19_capstone"]
+    notebook, checks = grading.IN_NOTEBOOK["l20_capstone"]
     assert (ROOT / notebook).exists() and checks[0].startswith(capstone.AUTHOR_CHECK + ":")
-    s = grading.Score("l19_capstone", passed=5, in_notebook=checks)
+    s = grading.Score("l20_capstone", passed=5, in_notebook=checks)
     text = grading.table([s, grading.Score("l01_matmul_split", passed=3)])
     rows = {r.split()[0]: r for r in text.splitlines()[2:4]}
-    assert rows["l19_capstone"].endswith("tests pass; 1 check in notebook"), text
+    assert rows["l20_capstone"].endswith("tests pass; 1 check in notebook"), text
     assert rows["l01_matmul_split"].endswith("done")
-    block = text[text.index("l19_capstone: not run here") :]
+    block = text[text.index("l20_capstone: not run here") :]
     assert f"only by running {notebook} to its end:\n    {capstone.AUTHOR_CHECK}:" in block
     assert max(map(len, text.splitlines())) <= 110
 
