@@ -14,7 +14,9 @@ file changed) and points the grader at it; the real exercises/ is never touched.
   the reference's phases, which never did;
 - lessons 12 and 15 with one wrong piece (buckets from the first parameter, a sum for a mean,
   memory kept after free, a ZeRO stage sharding the wrong part, a ring of N - 1 steps, α and β
-  swapped): the claim on it fails and names the cause, with no ✓ from the reference's.
+  swapped): the claim on it fails and names the cause, with no ✓ from the reference's;
+- lesson 19's ring as a wrapper or an alias of tpedu's own (tpedu.tp.collective_matmul): the
+  exercise's value check refuses it, naming tpedu's ring.
 """
 
 import os
@@ -505,3 +507,39 @@ def test_lessons_12_and_15_pass_the_reference_and_name_it(monkeypatch, capsys):
     assert "the reference's reduce_scatter_mean, LazyParams, zero_bytes_per_rank:" in out
     assert "the reference's ring_all_reduce_seconds, step_comm_seconds, fit_alpha_beta:" in out
     assert "your" not in out and out.count("✓") == 2 + 3 + 3
+
+
+# ---- lesson 19: tpedu's own ring, wrapped or aliased, is not the learner's
+
+
+@pytest.mark.parametrize(
+    "cheat",
+    [
+        """
+        from tpedu.tp.collective_matmul import ring_all_gather_linear
+
+
+        def ring_all_gather_matmul(x, weight, group=None):
+            return ring_all_gather_linear(x, [weight], [None], group)[0]
+        """,
+        """
+        import torch.nn.functional as F
+
+        from tpedu.tp import collective_matmul as cm
+
+
+        def ring_all_gather_matmul(x, weight, group=None):
+            return cm.ring_gather_apply(x, group, lambda c: [F.linear(c, weight)])[0]
+        """,
+    ],
+    ids=["wrapper", "its-ring"],
+)
+def test_lesson_19_refuses_tpedus_own_ring(course, monkeypatch, cheat):
+    from tests.exercises import test_l19_ring_allgather_matmul as graded
+
+    course("l19_ring_allgather_matmul", cheat)
+    monkeypatch.setenv("TPEDU_IMPL", "exercises")
+    with pytest.raises(AssertionError, match="tpedu's own ring ran"):
+        graded.test_ring_equals_the_gathered_matmul()
+    for test in (graded.test_ring_sends_one_shard_right_each_step, graded.test_group_argument):
+        test()  # the wrapped ring is a real ring: only the check of whose ring ran refuses it

@@ -5,8 +5,12 @@ integer whatever the kernel or the order: the result must equal all_gather(x) @ 
 bit (0.0). The ranks' shards differ, so a shard's rows in the wrong place cannot pass. The rank
 recorder (tpedu.comm.recorder) shows every message with its peer and every wait, so the ring's
 direction, its t-1 sends of one shard, and the matmul done while the next shard travels are
-checked too; an all-gather (the library's, or none traced at all) fails them.
+checked too; an all-gather (the library's, or none traced at all) fails them. tpedu's own ring
+(tpedu.tp.collective_matmul) refuses to run while the learner's function does, through any
+reference to it, so a wrapper or an alias of it fails too.
 """
+
+import contextlib
 
 import torch
 import torch.distributed as dist
@@ -17,6 +21,8 @@ from tests.exercises import parity_group
 from tpedu.comm import recorder
 from tpedu.comm.recorder import Comm, Wait
 from tpedu.course.grading import implementation
+from tpedu.course.mutation import swapped_code
+from tpedu.tp import collective_matmul
 
 NAME = "l19_ring_allgather_matmul"
 B, N, H, OUT = 2, 3, 5, 4  # x [B, N, H] per rank: s = N·t; weight [OUT, H]
@@ -57,12 +63,40 @@ def _diff(got: torch.Tensor, want: torch.Tensor) -> list[str]:
     return [f"rows {rows} of the sequence differ from all_gather(x) @ weightᵀ"]
 
 
+TPEDUS_RING = "tpedu's own ring ran (tpedu.tp.collective_matmul): write the ring yourself"
+
+
+def _refuse(*args: object, **kwargs: object) -> None:
+    # Runs with the globals of the function it replaces: only builtins and a literal here.
+    raise RuntimeError("tpedu's own ring ran (tpedu.tp.collective_matmul): write the ring yourself")
+
+
+@contextlib.contextmanager
+def _tpedus_ring_refused():
+    """For the block, tpedu's ring functions raise wherever they are reached from."""
+    rings = (
+        collective_matmul.ring_gather_apply,
+        collective_matmul.ring_reduce_scatter_apply,
+        collective_matmul.RingAllGatherLinear.forward,
+    )
+    with contextlib.ExitStack() as stack:
+        for fn in rings:
+            stack.enter_context(swapped_code(fn, _refuse.__code__, None, None))
+        yield
+
+
 def _values_worker() -> list[str]:
     m = implementation(NAME)
     t, r = dist.get_world_size(), dist.get_rank()
     shards = [ints(10 + q, (B, N, H)) for q in range(t)]
     weight = ints(99, (OUT, H))
-    got = m.ring_all_gather_matmul(shards[r].clone(), weight)
+    try:
+        with _tpedus_ring_refused():
+            got = m.ring_all_gather_matmul(shards[r].clone(), weight)
+    except RuntimeError as e:
+        if str(e) == TPEDUS_RING:
+            return [TPEDUS_RING]
+        raise
     return _diff(got, torch.cat(shards, dim=1) @ weight.T)
 
 
