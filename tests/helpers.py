@@ -145,6 +145,20 @@ def launches(*args):
 # The capstone's artefacts (tests/test_capstone.py, tests/exercises/test_l20_capstone.py)
 
 
+def capstone_space(ranks):
+    """Every layout of `ranks` ranks the capstone's survey is asked for, written out here
+    independently of the reference: tp and pp powers of two, ZeRO 0-3 with dp > 1, SP with tp > 1."""
+    from tpedu.parallel.config import ParallelConfig
+
+    out = []
+    for tp, pp in [(t, p) for t in (1, 2, 4, 8) for p in (1, 2, 4, 8) if ranks % (t * p) == 0]:
+        dp = ranks // (tp * pp)
+        for zero in range(4) if dp > 1 else [0]:
+            for sp in [False, True] if tp > 1 else [False]:
+                out.append(ParallelConfig(tp=tp, pp=pp, dp=dp, zero=zero, sequence_parallel=sp))
+    return out
+
+
 def make_artefacts(work, choice, steps=4, new=8, why=None):
     """The capstone's steps, as the notebook runs them (from a fresh model: no pretraining),
     writing into `work`; `why`: choice.json's reason (default: one naming `choice`)."""

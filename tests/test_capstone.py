@@ -13,7 +13,7 @@ import shutil
 import pytest
 import torch
 
-from tests.helpers import make_artefacts
+from tests.helpers import capstone_space, make_artefacts
 from tpedu import checkpoint
 from tpedu.course import capstone
 from tpedu.course.capstone import BUDGET, MB, describe, measure
@@ -58,21 +58,10 @@ def edit(work, name, change):
 # ------------------------------------------------------------------------------ the budget
 
 
-def space():
-    """Every layout of 4 ranks the survey tries, written out here."""
-    out = []
-    for tp, pp in [(1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (4, 1)]:
-        dp = 4 // (tp * pp)
-        for zero in range(4) if dp > 1 else [0]:
-            for sp in [False, True] if tp > 1 else [False]:
-                out.append(ParallelConfig(tp=tp, pp=pp, dp=dp, zero=zero, sequence_parallel=sp))
-    return out
-
-
 @pytest.fixture(scope="module")
 def surveyed():
     config = BUDGET.model(VOCAB)
-    return {describe(p): measure(config, p) for p in space()}
+    return {describe(p): measure(config, p) for p in capstone_space(4)}
 
 
 FITS = [  # the layouts within the budget, each with something the others lack

@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import pytest
 
-from tests.helpers import make_artefacts
+from tests.helpers import capstone_space, make_artefacts
 from tpedu.course import capstone
 from tpedu.course.capstone import BUDGET, MB, Budget, describe, measure
 from tpedu.course.grading import implementation
@@ -20,17 +20,6 @@ from tpedu.parallel.config import ParallelConfig
 
 NAME = "l20_capstone"
 VOCAB = 4334  # the novel's characters (novel_data("char"))
-
-
-def space(ranks):
-    """The layouts the survey is asked for, written out here independently of the reference."""
-    out = []
-    for tp, pp in [(t, p) for t in (1, 2, 4, 8) for p in (1, 2, 4, 8) if ranks % (t * p) == 0]:
-        dp = ranks // (tp * pp)
-        for zero in range(4) if dp > 1 else [0]:
-            for sp in [False, True] if tp > 1 else [False]:
-                out.append(ParallelConfig(tp=tp, pp=pp, dp=dp, zero=zero, sequence_parallel=sp))
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +43,9 @@ def test_the_survey_measures_every_layout_of_the_space():
     found = implementation(NAME).survey(config, BUDGET)
     assert all(isinstance(c, capstone.Candidate) for c in found)
     got = sorted(describe(c.parallel) for c in found)
-    assert got == sorted(describe(p) for p in space(BUDGET.ranks))  # all run: 4 heads, 4 layers
+    assert got == sorted(
+        describe(p) for p in capstone_space(BUDGET.ranks)
+    )  # all run: 4 heads, 4 layers
     by_name = {describe(c.parallel): c for c in found}
     for p in (ParallelConfig(tp=2, pp=2), ParallelConfig(dp=4, zero=3)):
         assert by_name[describe(p)] == measure(config, p)

@@ -260,7 +260,6 @@ class Mesh:
         return self.groups["ep"]
 
     ep_rank = property(lambda self: self.layout.expert_coords(self.rank)["ep"])
-    edp_rank = property(lambda self: self.layout.expert_coords(self.rank)["edp"])
 
     def __repr__(self) -> str:
         return f"Mesh(rank {self.rank}: {describe_coords(self.layout, self.rank)})"

@@ -64,9 +64,6 @@ def timeline_row(clock: str, what: str, t: replay.Timeline) -> Row:
     return Row(clock, what, t.step, busy, t.step - busy, t.exposed, t.hidden, t.bubble)
 
 
-DEVICE, EFFICIENCY = "H100 SXM", 0.7  # the device a priced row stands for, at this share of peak
-
-
 def three_clocks(
     logs: list[RankLog],
     net: str | AlphaBeta = "loopback",
@@ -78,9 +75,10 @@ def three_clocks(
 ) -> list[Row]:
     """Measured, replayed (on `net`, then free links) and priced rows of one recording.
 
-    Priced: compute × `factor`, else × links.device_factor(`flops`, the logs' CPU seconds,
-    DEVICE, EFFICIENCY) (the what-if's H100 at 70 % of peak); no row when neither is given. `priced`: its label (default: the
-    device, the link's name and the efficiency); `cores`: this machine's (default: all)."""
+    Priced: compute × `factor`, else × links.device_factor(`flops`, the logs' CPU seconds) on
+    its default device (the what-if's H100 at 70 % of peak); no row when neither is given.
+    `priced`: its label (default: the device, the link's name and the efficiency); `cores`:
+    this machine's (default: all)."""
     rows = [measured_row(logs, cores)]
     rows.append(
         timeline_row("replayed", "a core per rank, loopback link", replay.replay(logs, net))
@@ -90,10 +88,10 @@ def three_clocks(
     )
     if factor is None and flops is not None:
         cpu = sum(log.compute_seconds() for log in logs)
-        factor = links.device_factor(flops, cpu, DEVICE, EFFICIENCY)
+        factor = links.device_factor(flops, cpu)
     if factor is not None:
         name = link if isinstance(link, str) else "α-β link"
-        what = priced or f"{DEVICE}: {name}, {EFFICIENCY:.0%} of peak"
+        what = priced or f"{links.DEVICE}: {name}, {links.EFFICIENCY:.0%} of peak"
         rows.append(timeline_row("priced", what, replay.replay(logs, link, factor)))
     return rows
 

@@ -53,8 +53,12 @@ def measure_loopback(
     return fit(samples)
 
 
+# The device a priced replay stands for by default, at this share of its peak (the what-if's).
+DEVICE, EFFICIENCY = "H100 SXM", 0.7
+
+
 def device_factor(
-    flops: float, cpu_seconds: float, device: str = "H100 SXM", efficiency: float = 0.7
+    flops: float, cpu_seconds: float, device: str = DEVICE, efficiency: float = EFFICIENCY
 ) -> float:
     """The factor that turns `cpu_seconds` of recorded compute into the time `flops` take on
     `device` (a name of tpedu.analysis.whatif.HARDWARE) at `efficiency` of its peak."""

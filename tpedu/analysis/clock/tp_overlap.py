@@ -129,8 +129,8 @@ def price(
     flops: float,
     byte_factor: float,
     link: str = "nvlink",
-    device: str = "H100 SXM",
-    efficiency: float = 0.7,
+    device: str = links.DEVICE,
+    efficiency: float = links.EFFICIENCY,
 ) -> replay.Timeline:
     """The replay of `logs` with compute priced as `flops` (the whole layer's; each of the t
     ranks does 1/t of them, so each rank's recorded CPU seconds become flops/t on `device` at
