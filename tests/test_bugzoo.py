@@ -89,7 +89,7 @@ def test_patches_are_undone_and_names_checked():
             zero.FlatBuffer.finish_grads,
             zero.ShardedDataParallel.step,
             zero.GatherForBackward.__dict__["backward"],
-            optim.expert_params,
+            optim.gradient_group,
         ]
 
     def code(value):  # the hunt's bugs swap a function's code, the others the function

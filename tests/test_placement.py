@@ -8,7 +8,15 @@ import torch
 from torch import nn
 
 from tpedu.comm.collectives import this_rank_alone
-from tpedu.comm.placement import Replicate, Shard, declared, placement, sharded_on, split_over
+from tpedu.comm.placement import (
+    Replicate,
+    Shard,
+    declared,
+    gradient_group,
+    placement,
+    sharded_on,
+    split_over,
+)
 from tpedu.model.config import GPTConfig
 from tpedu.model.dense import DenseGPT
 from tpedu.model.gpt import TPGPT
@@ -84,15 +92,17 @@ def test_no_consumer_decides_where_a_parameter_lives_from_its_name():
 
 
 def test_the_reducers_groups_follow_the_declaration_not_the_name(monkeypatch):
-    """optim.expert_params (what DataParallel and ZeRO reduce over the expert-data-parallel
-    group) is what the MoE layer declares: take the declaration away and nothing is an expert."""
-    from tpedu.train.optim import expert_params
+    """The group each gradient is summed over (what DataParallel and ZeRO bucket by,
+    optim.gradient_groups) is what the MoE layer declares: the experts' over edp, the rest over
+    dp; take the declaration away and every gradient is summed over dp."""
 
-    with this_rank_alone() as group, torch.device("meta"):
-        model = TPGPT(DenseGPT(MOE), group)
-    declared_experts = expert_params([model])
-    assert declared_experts == [p for n, p in model.named_parameters() if ".experts." in n]
+    def groups() -> dict[str, str]:
+        with this_rank_alone() as group, torch.device("meta"):
+            model = TPGPT(DenseGPT(MOE), group)
+        return {e.local: gradient_group(e.placements) for e in shard_map(model)}
+
+    named = groups()
+    assert {n for n, g in named.items() if g == "edp"} == {n for n in named if ".experts." in n}
+    assert {n for n, g in named.items() if g == "dp"} == {n for n in named if ".experts." not in n}
     monkeypatch.setattr(ExpertParallelMoE, "placements", {})
-    with this_rank_alone() as group, torch.device("meta"):
-        model = TPGPT(DenseGPT(MOE), group)
-    assert expert_params([model]) == []
+    assert set(groups().values()) == {"dp"}

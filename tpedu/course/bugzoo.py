@@ -508,7 +508,7 @@ BUGS: dict[str, Bug] = {
             "ep_experts_averaged_over_dp",
             "EP: each rank's experts averaged over the whole DP group, not the ranks that "
             "hold the same experts",
-            lambda: patched(optim, "expert_params", lambda chunks: []),
+            lambda: patched(optim, "gradient_group", lambda placements: "dp"),
             check_ep_step,
             2,
             "the gradient norm off from step 0 and the loss from step 1: every rank's experts "

@@ -65,6 +65,20 @@ def all_reduce_bucket(
     return out
 
 
+def split_by_group(
+    params: Sequence[nn.Parameter],
+    group: dist.ProcessGroup | None,
+    group_of: Callable[[nn.Parameter], dist.ProcessGroup | None] | None,
+) -> list[tuple[dist.ProcessGroup | None, list[nn.Parameter]]]:
+    """[(group, its parameters in order)]: `group` first, then any other `group_of` names, in
+    the order they first appear. A bucket holds one group's gradients: one all-reduce each."""
+    out: dict[int, tuple[dist.ProcessGroup | None, list[nn.Parameter]]] = {id(group): (group, [])}
+    for p in params:
+        g = group_of(p) if group_of is not None else group
+        out.setdefault(id(g), (g, []))[1].append(p)
+    return [(g, ps) for g, ps in out.values() if ps]
+
+
 class _Bucket:
     def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup | None) -> None:
         self.params, self.group = params, group
@@ -102,10 +116,13 @@ class DataParallel(GradientSync):
     Its timeline (lesson 12) is the rank's recording: tpedu.comm.recorder logs every bucket's
     asynchronous all-reduce as issued and when it was waited on.
 
-    Expert parallelism (lesson 18): `experts` (parameters of the experts this rank holds) go in
-    buckets of their own, summed over `expert_group` (the expert-data-parallel group: the DP
-    ranks holding the same experts) and divided by the whole DP size, as Megatron-core does: the
-    all-to-all's backward has already summed every EP rank's tokens into them.
+    `group_of(p)`: the group parameter p's gradient is summed over, where it is not `group`
+    (tpedu.train.optim.gradient_groups reads it from each parameter's placements: an expert
+    split over ep is summed over the ranks holding the same experts only). Each group's
+    parameters get buckets of their own. `mean_over`: the divisor (default: `group`'s size),
+    the number of replicas whose batches differ, for every bucket: an expert's sum over its
+    replicas is still divided by the whole DP size, as Megatron-core does, because the
+    all-to-all's backward has already summed every EP rank's tokens into it.
     """
 
     def __init__(
@@ -114,24 +131,19 @@ class DataParallel(GradientSync):
         group: dist.ProcessGroup | None = None,
         bucket_numel: int = 2**16,
         reduce_dtype: torch.dtype | None = None,
-        experts: Sequence[nn.Parameter] = (),
-        expert_group: dist.ProcessGroup | None = None,
+        group_of: Callable[[nn.Parameter], dist.ProcessGroup | None] | None = None,
+        mean_over: int | None = None,
     ) -> None:
         self.module, self.group, self.reduce_dtype = module, group, reduce_dtype
-        self.size = dist.get_world_size(group)
+        self.size = mean_over or dist.get_world_size(group)
         self.sync = True
-        expert_ids = {id(p) for p in experts}
-        self.buckets = []
-        for members, reduce_over in ((False, group), (True, expert_group)):
-            params = [
-                p
-                for p in module.parameters()
-                if p.requires_grad and (id(p) in expert_ids) == members
-            ]
-            self.buckets += [
-                _Bucket([params[i] for i in b], reduce_over)
-                for b in assign_buckets([p.numel() for p in params], bucket_numel)
-            ]
+        trained = [p for p in module.parameters() if p.requires_grad]
+        by_group = split_by_group(trained, group, group_of)
+        self.buckets = [
+            _Bucket([params[i] for i in b], reduce_over)
+            for reduce_over, params in by_group
+            for b in assign_buckets([p.numel() for p in params], bucket_numel)
+        ]
         self.launched: list[_Bucket] = []  # in launch order (the same on every DP rank)
         for bucket in self.buckets:
             for p in bucket.params:

@@ -59,7 +59,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tpedu.comm import collectives
-from tpedu.parallel.data_parallel import GradientSync
+from tpedu.parallel.data_parallel import GradientSync, split_by_group
 
 LEVELS = (1, 2, 3)
 
@@ -287,9 +287,9 @@ class ShardedDataParallel(GradientSync):
     `gather_dtype` (e.g. torch.bfloat16): all-gather the parameters in it, half the bytes, the
     replicas' parameters then rounded to it (AdamW's fp32 shards are not); `prefetch`
     (ZeRO-3): start the neighbouring block's all-gather early (False: only when it is needed).
-    `experts` (expert parallelism, lesson 18): parameters of this rank's experts, in buffers of
-    their own sharded over `expert_group` (the ranks holding the same experts), their gradient
-    sums divided by the whole DP size as DataParallel's are.
+    `group_of`, `mean_over`: as DataParallel's; a parameter whose gradient is summed over
+    another group (an expert, split over ep: the ranks holding the same experts) goes in
+    buffers of their own, sharded over that group.
 
     Many parameters because the AdamW settings (lr, betas, weight_decay) are torch.optim.AdamW's
     own, beside ZeRO's (level, dtypes, prefetch).
@@ -310,8 +310,8 @@ class ShardedDataParallel(GradientSync):
         betas: tuple[float, float] = (0.9, 0.95),
         weight_decay: float = 0.0,
         prefetch: bool = True,
-        experts: Sequence[nn.Parameter] = (),
-        expert_group: dist.ProcessGroup | None = None,
+        group_of: Callable[[nn.Parameter], dist.ProcessGroup | None] | None = None,
+        mean_over: int | None = None,
     ) -> None:
         if level not in LEVELS:
             raise ValueError(f"ShardedDataParallel level must be one of {LEVELS}, got {level}")
@@ -319,7 +319,7 @@ class ShardedDataParallel(GradientSync):
         self.decay, self.weight_of, self.reduce_dtype = decay, weight_of, reduce_dtype
         self.gather_dtype = gather_dtype
         self.deferred = {id(p) for p in defer}
-        self.experts, self.expert_group = {id(p) for p in experts}, expert_group
+        self.group_of, self.mean_over = group_of, mean_over or dist.get_world_size(group)
         self.peak_gathered = 0  # ZeRO-3: most bytes of whole parameters held at once
         self.units: list[_Unit] = []
         for chunk in chunks:
@@ -358,26 +358,27 @@ class ShardedDataParallel(GradientSync):
         trainable parameters, with the gradient hooks that reduce and free them."""
         named = [(n, p) for n, p in named if p.requires_grad]
         buffers = []
-        dp = dist.get_world_size(self.group)
-        for decayed, late, expert in itertools.product((True, False), (False, True), (False, True)):
+        by_group = split_by_group([p for _, p in named], self.group, self.group_of)
+        for decayed, late, (group, members) in itertools.product(
+            (True, False), (False, True), by_group
+        ):
+            ids = {id(p) for p in members}
             part = [
                 (n, p)
                 for n, p in named
-                if self.decay(p) == decayed
-                and (id(p) in self.deferred) == late
-                and (id(p) in self.experts) == expert
+                if self.decay(p) == decayed and (id(p) in self.deferred) == late and id(p) in ids
             ]
             if part:
                 weights = [self.weight_of(chunk, n) for n, _ in part]
                 buf = FlatBuffer(
                     [p for _, p in part],
                     weights,
-                    self.expert_group if expert else self.group,
+                    group,
                     self.reduce_dtype,
                     decayed,
                     self.gather_dtype,
                     self.level,
-                    mean_over=dp,
+                    mean_over=self.mean_over,
                 )
                 for _, p in part:
                     p.register_post_accumulate_grad_hook(self._grad_hook(buf, late))

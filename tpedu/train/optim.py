@@ -7,11 +7,12 @@ ShardedDataParallel that is both the reducer and the optimizer.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
+import torch.distributed as dist
 
-from tpedu.comm.placement import sharded_on
+from tpedu.comm.placement import gradient_group
 from tpedu.model.gpt import TPGPT
 from tpedu.model.state import shard_map
 from tpedu.parallel.data_parallel import DataParallel
@@ -64,14 +65,17 @@ def make_sharded(
         lr=cfg.lr,
         betas=(0.9, 0.95),
         weight_decay=cfg.weight_decay,
-        experts=expert_params(chunks) if mesh.layout.ep > 1 else (),
-        expert_group=mesh.edp_group,
+        group_of=gradient_groups(chunks, mesh),
     )
 
 
-def expert_params(chunks: Sequence[TPGPT]) -> list[torch.nn.Parameter]:
-    """This rank's experts' parameters: with ep > 1 reduced over the edp group only."""
-    return [e.param for e in shard_map(chunks) if sharded_on(e.placements, "ep")]
+def gradient_groups(
+    chunks: Sequence[TPGPT], mesh: Mesh
+) -> Callable[[torch.nn.Parameter], dist.ProcessGroup | None]:
+    """parameter -> the group its gradient is summed over, read from its placements
+    (tpedu.comm.placement.gradient_group): the reducers bucket by it."""
+    groups = {id(e.param): mesh.groups[gradient_group(e.placements)] for e in shard_map(chunks)}
+    return lambda p: groups[id(p)]
 
 
 def make_data_parallel(
@@ -87,12 +91,7 @@ def make_data_parallel(
     low = DTYPES[cfg.dtype] if cfg.grad_reduce == "low" else None
     dpar = None
     if mesh.layout.dp > 1:
-        # ep > 1: each EP rank's experts are its own, reduced over the ranks holding the same
         dpar = DataParallel(
-            stage,
-            mesh.dp_group,
-            reduce_dtype=low,
-            experts=expert_params(chunks) if mesh.layout.ep > 1 else (),
-            expert_group=mesh.edp_group,
+            stage, mesh.dp_group, reduce_dtype=low, group_of=gradient_groups(chunks, mesh)
         )
     return dpar, make_optimizer(stage, cfg)
