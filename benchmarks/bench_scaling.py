@@ -26,7 +26,6 @@ to (p-1)/(m+p-1).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import statistics
 import time
 
@@ -35,6 +34,7 @@ import torch.distributed as dist
 from harness import BACKEND, BATCH, CONFIG, TINY, batch, load, timed_communication
 
 import tpedu
+from tpedu.analysis.clock.events import recorded_events
 from tpedu.comm import recorder
 from tpedu.comm.cost_model import AlphaBeta, fit, measure
 from tpedu.comm.tracer import CommTracer
@@ -148,7 +148,7 @@ def worker(
             steps.append(time.perf_counter() - t)
         comms.append(acc["collective"] + acc["p2p"])
         p2ps.append(acc["p2p"])
-        events.append(stage_events(rec.log, mesh.pp_rank))
+        events.append([e for e in recorded_events(rec.log, mesh.pp_rank) if e.kind != "wait"])
     real = [r for r in trace.records if r.group_size > 1]  # a 1-rank group sends nothing
     summary: dict[tuple[str, str], list[int]] = {}
     for r in trace.records:
@@ -170,28 +170,6 @@ def worker(
         "predicted": sum(predict(fits, r.op, r.bytes, r.group_size) for r in trace.records),
         "stage_params": sum(p.numel() for p in stage.parameters()),
     }
-
-
-def stage_events(log: recorder.RankLog, stage: int) -> list[Event]:
-    """The forwards and backwards on a rank's clock as pipeline Events (wall clock):
-    run_schedule names their compute spans F<micro-batch> or B<micro-batch>[.<chunk>]; the
-    spans of one forward or backward (split by its TP collectives) make one Event."""
-    out: list[Event] = []
-    name = None
-    for s in log.spans:
-        if not isinstance(s, recorder.Compute):
-            continue  # a call inside a forward or backward belongs to it
-        if s.name == name:
-            out[-1] = dataclasses.replace(out[-1], end=s.wall_end)
-            continue
-        name = None
-        micro, _, chunk = s.name[1:].partition(".")
-        if s.name[:1] in ("F", "B") and micro.isdigit() and (not chunk or chunk.isdigit()):
-            name = s.name
-            out.append(
-                Event(stage, s.name[0], int(micro), int(chunk or 0), s.wall_start, s.wall_end)
-            )
-    return out
 
 
 def run_layout(

@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 
 import tpedu
 from tpedu import checkpoint
-from tpedu.comm.recorder import Comm, Compute, RankLog, Wait
+from tpedu.comm.recorder import Comm, Compute, Mark, RankLog, Wait
 from tpedu.comm.tracer import CommTracer
 from tpedu.data.corpus import novel_data
 from tpedu.model.config import GPTConfig
@@ -342,3 +342,22 @@ def pipeline_logs(kind: str, p: int, m: int, f: float, b: float, nbytes: int = 1
             log.wait(i)
         logs.append(log.log)
     return logs
+
+
+def overlap_order(log: RankLog) -> list[str]:
+    """A recorded rank's overlap order (tests/test_overlap.py, tests/test_tp_overlap_chunks.py):
+    'issue X' for each asynchronous call, 'wait X' for its wait, and every compute span with a
+    label. X is the call's op, or what a 'chunk' mark after it names it ('1', 'grad 1')."""
+    out, names, last = [], {}, (-1, -1)  # last: the latest asynchronous call (log, out)
+    for i, s in enumerate(log.spans):
+        if isinstance(s, Comm) and not s.blocking:
+            names[i], last = s.op, (i, len(out))
+            out.append(f"issue {s.op}")
+        elif isinstance(s, Mark) and s.name == "chunk":
+            names[last[0]] = s.what
+            out[last[1]] = f"issue {s.what}"
+        elif isinstance(s, Wait):
+            out.append(f"wait {names[s.comm]}")
+        elif isinstance(s, Compute) and s.name != "compute":
+            out.append(s.name)
+    return out

@@ -175,22 +175,3 @@ def test_tp_overlap_ways_tiny():
     base = rows["tp"][1]
     for seconds, loss in rows.values():
         assert seconds > 0 and abs(loss - base) <= 1e-5 * abs(base)
-
-
-def test_scaling_stage_events_from_the_rank_clock():
-    from tpedu.comm.recorder import Comm, Compute, RankLog
-
-    bench = _bench("bench_scaling")
-    log = RankLog(0, "r")
-    log.spans = [
-        Compute("compute", 0.0, 1.0, 1.0),
-        Compute("F0", 1.0, 2.0, 1.0),
-        Comm("all_reduce", (0, 1), "tp", 4, None, 0, True, 2.0, 3.0),  # inside F0
-        Compute("F0", 3.0, 4.0, 1.0),
-        Comm("send", (0, 1), "pp", 4, 1, 0, False, 4.0, 5.0),
-        Compute("F1.1", 5.0, 6.0, 1.0),
-        Compute("B1.1", 6.0, 7.0, 1.0),
-        Compute("weight grad", 7.0, 8.0, 1.0),
-    ]
-    got = [(e.stage, e.kind, e.micro, e.chunk, e.start, e.end) for e in bench.stage_events(log, 2)]
-    assert got == [(2, "F", 0, 0, 1.0, 4.0), (2, "F", 1, 1, 5.0, 6.0), (2, "B", 1, 1, 6.0, 7.0)]

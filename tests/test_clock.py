@@ -11,11 +11,12 @@ import torch.distributed as dist
 from tests.helpers import Builder, pipeline_logs
 from tpedu import launch
 from tpedu.analysis.clock import links, replay
+from tpedu.analysis.clock.events import recorded_events, replayed_events
 from tpedu.comm import collectives as C
 from tpedu.comm import recorder
 from tpedu.comm.cost_model import AlphaBeta
-from tpedu.comm.recorder import Compute, Wait
-from tpedu.parallel.pipeline.schedules import action_parts, schedule
+from tpedu.comm.recorder import Comm, Compute, Mark, RankLog, Wait
+from tpedu.parallel.pipeline.schedules import Event, action_parts, schedule
 
 
 @pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
@@ -372,3 +373,63 @@ def test_three_clocks_table_labels_every_row():
     assert lines[3].split()[-6:] == ["3000.000", "2000.000", "1000.000", "0.000", "0.000", "33.3%"]
     assert lines[4].startswith("         priced (H100 SXM: nvlink, 70% of peak)")
     assert lines[5].split()[-1] == "3000.000" and "formula (equal ranks)" in lines[5]
+
+
+def test_marks_with_data_and_the_pipeline_events_of_a_log():
+    recorder.mark("free", "block 0", 8)  # not recording: nothing, no error
+    with recorder.Recorder() as rec:
+        recorder.mark("step 0")
+        recorder.mark("free", "block 0", 8)
+    marks = [s for s in rec.log.spans if isinstance(s, Mark)]
+    assert [(m.name, m.what, m.nbytes) for m in marks] == [
+        ("step 0", "", 0),
+        ("free", "block 0", 8),
+    ]
+    # a hand-built stage 1: receive, F0 split by a TP all-reduce, send, B0, a buffer freed
+    log = RankLog(1, "r")
+    log.spans += [
+        Compute("compute", 0.0, 1.0, 1.0),
+        Comm("recv", (0, 1), "pp", 8, 0, 0, False, 1.0, 1.1),
+        Wait(1, 1.1, 2.0),
+        Compute("F0", 2.0, 3.0, 1.0),
+        Comm("all_reduce", (1, 2), "tp", 8, None, 0, True, 3.0, 3.5),
+        Compute("F0", 3.5, 4.0, 0.5),
+        Comm("send", (0, 1), "pp", 8, 0, 0, False, 4.0, 4.1),
+        Compute("compute", 4.1, 5.0, 0.9),
+        Compute("B0.1", 5.0, 6.0, 1.0),
+        Mark("free", 6.0, "block 0", 8),
+        Compute("compute", 6.0, 7.0, 1.0),
+        Wait(6, 7.0, 7.5),  # a send's wait is no receive
+    ]
+    assert recorded_events(log) == [
+        Event(1, "wait", -1, -1, 1.0, 2.0),
+        Event(1, "F", 0, 0, 2.0, 4.0),
+        Event(1, "B", 0, 1, 5.0, 6.0),
+    ]
+    assert recorded_events(log, stage=0)[0].stage == 0
+    # the replay: F/B spans and waits of each rank; a mark with data is no step boundary
+    b = Builder(0)
+    b.compute(1.0, "F0")
+    b.log.spans.append(Mark("free", 0.0, "block 0", 8))
+    b.log.spans.append(Mark("step 1", 0.0))
+    b.compute(2.0, "B0")
+    t = replay.replay([b.log])
+    assert list(t.marks) == ["step 1"]
+    assert replayed_events(t) == [Event(0, "F", 0, 0, 0.0, 1.0), Event(0, "B", 0, 0, 1.0, 3.0)]
+
+
+def test_recorded_events_join_a_forward_split_by_calls():
+    """bench_scaling's stages (pipeline and TP): one Event per forward or backward."""
+    log = RankLog(0, "r")
+    log.spans = [
+        Compute("compute", 0.0, 1.0, 1.0),
+        Compute("F0", 1.0, 2.0, 1.0),
+        Comm("all_reduce", (0, 1), "tp", 4, None, 0, True, 2.0, 3.0),  # inside F0
+        Compute("F0", 3.0, 4.0, 1.0),
+        Comm("send", (0, 1), "pp", 4, 1, 0, False, 4.0, 5.0),
+        Compute("F1.1", 5.0, 6.0, 1.0),
+        Compute("B1.1", 6.0, 7.0, 1.0),
+        Compute("weight grad", 7.0, 8.0, 1.0),
+    ]
+    got = [(e.stage, e.kind, e.micro, e.chunk, e.start, e.end) for e in recorded_events(log, 2)]
+    assert got == [(2, "F", 0, 0, 1.0, 4.0), (2, "F", 1, 1, 5.0, 6.0), (2, "B", 1, 1, 6.0, 7.0)]

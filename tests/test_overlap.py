@@ -3,11 +3,13 @@
 import torch
 import torch.distributed as dist
 
+from tests.helpers import overlap_order
 from tpedu import launch
+from tpedu.comm import recorder
 from tpedu.comm.tracer import CommTracer
 from tpedu.model.options import RunOptions
 from tpedu.tp.layers import column_parallel_linear
-from tpedu.tp.overlap import linear_with_async_grad_all_reduce, record_events
+from tpedu.tp.overlap import linear_with_async_grad_all_reduce
 from tpedu.tp.sharding import shard
 
 
@@ -29,7 +31,7 @@ def _worker():
             x = x0.clone().requires_grad_()
             w = shard(w0, 0, group).requires_grad_()
             b = shard(b0, 0, group).requires_grad_()
-            with CommTracer() as t, record_events() as ev:
+            with CommTracer() as t, recorder.Recorder() as rec:
                 y = fn(x, w, b, group)
                 y.backward(shard(dy, -1, group))
             res[name] = (
@@ -37,7 +39,7 @@ def _worker():
                 x.grad,
                 w.grad,
                 b.grad,
-                ev,
+                overlap_order(rec.log),
                 t.count("all_reduce", "forward"),
                 t.numel("all_reduce", "backward"),
                 t.count("all_reduce", "backward"),
@@ -48,12 +50,12 @@ def _worker():
         torch.nn.functional.linear(x, w, b).backward(dy)
         res["dense"] = (x.grad, shard(w.grad, 0, group), shard(b.grad, 0, group))
         # an input that needs no gradient: nothing to all-reduce
-        with record_events() as ev:
+        with recorder.Recorder() as rec:
             y = linear_with_async_grad_all_reduce(
                 x0, shard(w0, 0, group).requires_grad_(), None, group
             )
             y.sum().backward()
-        res["no_input_grad"] = ev
+        res["no_input_grad"] = overlap_order(rec.log)
         out[tp] = res
     return out
 
@@ -76,9 +78,10 @@ def test_async_linear_is_bitwise_the_plain_layer_and_overlaps():
                     diff = (got - ref).abs().max().item()
                     # the all-reduce adds t partial sums: reordered fp64 sums, ~1e-16 relative
                     assert diff <= 1e-13, f"tp={tp}: {what} vs dense, max |diff| = {diff:.1e}"
-                # issued before the weight gradient, waited for after it
-                assert a[4] == ["all_reduce issued", "weight grad", "all_reduce done"], a[4]
-                assert p[4] == []  # the plain layer has no overlap to log
+                # on the rank clock: issued asynchronously before the weight gradient's
+                # compute span, waited for after it
+                assert a[4] == ["issue all_reduce", "weight grad", "wait all_reduce"], a[4]
+                assert p[4] == []  # the plain layer's all-reduce blocks: nothing overlaps
                 # communication contract: nothing forward, 1 all-reduce of x's size backward
                 assert a[5] == 0 and a[7] == 1 and a[6] == 3 * 5 * 6
                 assert (p[5], p[6], p[7]) == (a[5], a[6], a[7])
@@ -106,11 +109,11 @@ def _model_worker(activation):
     out = {}
     for overlap in (False, True):
         model = TPGPT(dense, None, options=RunOptions(overlap_comm=overlap))
-        with record_events() as ev:
+        with recorder.Recorder() as rec:
             loss = model(ids, ids)
             loss.backward()
         grads = [p.grad for p in model.parameters()]
-        out[overlap] = (loss.detach(), grads, ev.count("all_reduce issued"))
+        out[overlap] = (loss.detach(), grads, overlap_order(rec.log))
     return out
 
 
@@ -119,8 +122,10 @@ def test_overlap_comm_in_the_model_is_bitwise_identical():
     head) issues its backward all-reduce asynchronously; losses and gradients are bitwise equal."""
     for activation, asyncs in (("gelu", 2 * 2 + 1), ("swiglu", 2 + 1)):  # SwiGLU keeps its f
         for r, out in enumerate(launch(_model_worker, 2, activation)):
-            (l0, g0, n0), (l1, g1, n1) = out[False], out[True]
-            assert n0 == 0 and n1 == asyncs, f"rank {r} {activation}: {n0}, {n1} async all-reduces"
+            (l0, g0, o0), (l1, g1, o1) = out[False], out[True]
+            # each async all-reduce issued, its weight gradient computed, then waited for
+            each = ["issue all_reduce", "weight grad", "wait all_reduce"]
+            assert o0 == [] and o1 == each * asyncs, f"rank {r} {activation}: {o0}, {o1}"
             assert torch.equal(l0, l1), f"rank {r}: loss {l0.item()} vs {l1.item()}"
             diff = max((a - b).abs().max().item() for a, b in zip(g0, g1, strict=True))
             assert diff == 0.0, f"rank {r} {activation}: max |grad difference| = {diff:.3e}"

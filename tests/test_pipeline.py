@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from tpedu import launch
+from tpedu.analysis.clock.events import recorded_events
+from tpedu.comm import recorder
 from tpedu.launcher import LaunchTimeout, RankError
 from tpedu.model.config import GPTConfig
 from tpedu.model.dense import DenseGPT
@@ -16,6 +18,7 @@ from tpedu.parallel.config import ParallelConfig
 from tpedu.parallel.mesh import Layout, Mesh
 from tpedu.parallel.pipeline.runtime import Pipe, build_stage_chunks, run_schedule, sync_tied_grads
 from tpedu.parallel.pipeline.schedules import (
+    action_parts,
     bubble_formula,
     bubble_fraction,
     head_cost,
@@ -126,7 +129,8 @@ def dense_grads(config, m):
 
 
 def pipelined(config, layout, kind, m, chunks=1, b=2, s=7):
-    """Worker body: one pipelined step; returns (loss or None, stage grads, result)."""
+    """Worker body: one pipelined step, recorded; returns (loss or None, stage grads, actions,
+    the step's Events from the rank clock, peak in flight)."""
     mesh = Mesh(layout)
     torch.manual_seed(0)
     dense = DenseGPT(config).double()
@@ -136,15 +140,16 @@ def pipelined(config, layout, kind, m, chunks=1, b=2, s=7):
     ]
     ids, tgt = micro(config, m, b, s)
     acts = schedule(kind, m, layout.pp, mesh.pp_rank, chunks)
-    res = run_schedule(
-        models,
-        acts,
-        Pipe.from_mesh(mesh),
-        list(ids.chunk(m)),
-        list(tgt.chunk(m)),
-        (b, s, config.hidden),
-        torch.float64,
-    )
+    with recorder.Recorder() as rec:
+        res = run_schedule(
+            models,
+            acts,
+            Pipe.from_mesh(mesh),
+            list(ids.chunk(m)),
+            list(tgt.chunk(m)),
+            (b, s, config.hidden),
+            torch.float64,
+        )
     sync_tied_grads(models, mesh.emb_group)
     for c in models:
         c.sync_grads()
@@ -152,7 +157,7 @@ def pipelined(config, layout, kind, m, chunks=1, b=2, s=7):
     for c in models:
         grads.update(c.gather_state_dict(grads=True))
     loss = None if res.loss is None else res.loss.item()
-    return loss, grads, acts, res.events, res.peak_in_flight
+    return loss, grads, acts, recorded_events(rec.log, mesh.pp_rank), res.peak_in_flight
 
 
 def check_against_dense(results, config, m, layout):
@@ -186,14 +191,21 @@ def test_every_schedule_gives_the_dense_gradients_at_pp2():
     for config in (CONFIG, UNTIED):
         for kind, m in [("gpipe", 3), ("1f1b", 3), ("interleaved", 4)]:
             check_against_dense([r[(config.norm, kind)] for r in results], config, m, PP2)
-    # the real runs' event logs: every forward before its backward, in-flight bounds
-    for kind, m in [("gpipe", 3), ("1f1b", 3)]:
+    # the real runs on the rank clock: the schedule's order, every forward before its backward,
+    # a wait per receive (activations into stage 1, gradients into stage 0), in-flight bounds
+    for kind, m in [("gpipe", 3), ("1f1b", 3), ("interleaved", 4)]:
         for stage, r in enumerate(results):
             *_, acts, events, peak = r[(CONFIG.norm, kind)]
-            done = [(e.kind, e.micro) for e in events if e.kind in ("F", "B")]
-            assert done == [tuple(a) for a in acts]
-            assert all(done.index(("F", i)) < done.index(("B", i)) for i in range(m))
-            assert peak == (m if kind == "gpipe" else min(m, 2 - stage))
+            done = [(e.kind, e.micro, e.chunk) for e in events if e.kind in ("F", "B")]
+            assert done == [action_parts(a) for a in acts], (kind, stage, done)
+            assert all(done.index(("F", i, 0)) < done.index(("B", i, 0)) for i in range(m))
+            waits = [e for e in events if e.kind == "wait"]
+            chunks = 2 if kind == "interleaved" else 1
+            # each chunk receives an activation and a gradient per micro-batch, but the first
+            # virtual stage no activation and the last no gradient: 2v - 1 per micro-batch
+            assert len(waits) == (2 * chunks - 1) * m, (kind, stage, len(waits))
+            if kind != "interleaved":
+                assert peak == (m if kind == "gpipe" else min(m, 2 - stage))
 
 
 def test_pipeline_with_tp_and_four_stages():

@@ -15,13 +15,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.helpers import overlap_order
 from tpedu import launch
+from tpedu.comm import recorder
 from tpedu.comm.tracer import CommTracer
 from tpedu.model.config import GPTConfig
 from tpedu.model.dense import DenseGPT
 from tpedu.model.gpt import TPGPT
 from tpedu.model.options import RunOptions
-from tpedu.tp.overlap import record_events
 
 BASE = {"seq_len": 8, "n_layers": 2, "n_heads": 4, "dropout": 0.1}
 GPT2 = GPTConfig.gpt2_like(37, hidden=24, **BASE)
@@ -115,20 +116,21 @@ def _order_worker(chunks):
     torch.manual_seed(0)
     model = TPGPT(DenseGPT(config), options=RunOptions(tp_overlap="chunks", tp_chunks=chunks))
     ids = torch.randint(0, 37, (B, S), generator=torch.Generator().manual_seed(2))
-    with record_events() as events:
+    with recorder.Recorder() as rec:
         model(ids, ids).backward()
-    return events
+    return overlap_order(rec.log)
 
 
 @pytest.mark.parametrize("chunks", [2, 3])
 def test_each_all_reduce_is_waited_for_after_the_next_chunk_computed(chunks):
     """Forward, per half-block: every chunk's all-reduce issued before the first wait (chunk i's
     on the wire while i+1 .. n-1 compute). Backward (autograd: last chunk first): every chunk's
-    f issues before any wait, so the last chunk's gradient all-reduce runs under the others'."""
+    f issues before any wait, so the last chunk's gradient all-reduce runs under the others'.
+    Read from the rank clock: every asynchronous call, named by its chunk, and every wait."""
     issue = [f"issue {i}" for i in range(chunks)]
     wait = [f"wait {i}" for i in range(chunks)]
-    back = [f"grad issue {i}" for i in reversed(range(chunks))]
-    back += [f"grad wait {i}" for i in reversed(range(chunks))]
+    back = [f"issue grad {i}" for i in reversed(range(chunks))]
+    back += [f"wait grad {i}" for i in reversed(range(chunks))]
     for events in launch(_order_worker, 2, chunks):
         assert events == 2 * (issue + wait) + 2 * back, events
 

@@ -7,6 +7,7 @@ all-reduce (≈1e-16 relative per sum), so 1e-10 relative after 3 AdamW steps is
 1/N or a shard updated twice moves the gradient norm by a factor, far outside it.
 """
 
+import contextlib
 import dataclasses
 
 import pytest
@@ -14,6 +15,8 @@ import torch
 
 from tests.helpers import CFG, CONFIG, F64, V, check, data, f64
 from tpedu import checkpoint, launch
+from tpedu.comm import recorder
+from tpedu.comm.recorder import Mark
 from tpedu.comm.tracer import CommTracer
 from tpedu.data.batches import packed_batch
 from tpedu.model.config import GPTConfig
@@ -272,3 +275,47 @@ def test_low_precision_gathers_save_the_fp32_masters(tmp_path, zero):
     assert model.keys() <= saved.keys()
     for k, v in model.items():
         assert torch.equal(v, saved[k].to(v.dtype)), k
+
+
+def _recorded_zero3(record: bool) -> dict:
+    """One ZeRO-3 step at dp 2, recorded or not, its buffers named by unit."""
+    torch.set_default_dtype(torch.float64)
+    mesh = Mesh(Layout(1, 1, 2))
+    model = build_sharded(DEEP, mesh.tp_group, seed=0)[0]
+    sdp = make_sharded([model], TrainConfig(), 3, mesh)
+    for i, u in enumerate(sdp.blocks):
+        for b in u.buffers:
+            b.name = f"block {i}"
+    x, y = packed_batch(data()[0], 2, DEEP.seq_len, 0, 0, mesh.dp_rank, 2)
+    with recorder.Recorder() if record else contextlib.nullcontext() as rec:
+        model(x, y).backward()
+        sdp.finish()
+        sdp.step()
+    spans = rec.log.spans if record else []
+    marks = [(s.name, s.what, s.nbytes) for s in spans if isinstance(s, Mark)]
+    return {
+        "marks": marks,
+        "peak": sdp.peak_gathered,
+        "shards": [b.shard.detach().clone() for b in sdp.buffers],
+        "loss_after": model(x, y).detach(),
+    }
+
+
+def test_zero3_marks_each_buffer_coming_and_going_on_the_rank_clock():
+    """Recording changes nothing, bit for bit; every gather is freed later, and the bytes the
+    marks hold add up to the step's peak."""
+    plain = launch(_recorded_zero3, 2, False)
+    for r, out in enumerate(launch(_recorded_zero3, 2, True)):
+        assert all(
+            torch.equal(a, b) for a, b in zip(out["shards"], plain[r]["shards"], strict=True)
+        )
+        assert torch.equal(out["loss_after"], plain[r]["loss_after"])
+        assert out["peak"] == plain[r]["peak"] and plain[r]["marks"] == []
+        held, top = 0, 0
+        for kind, what, nbytes in out["marks"]:
+            assert kind in ("gather", "free") and nbytes > 0, (kind, what)
+            held += nbytes if kind == "gather" else -nbytes
+            top = max(top, held)
+        assert held == 0 and top == out["peak"], (held, top, out["peak"])
+        blocks = {w for k, w, _ in out["marks"] if k == "gather"} - {""}
+        assert blocks == {f"block {i}" for i in range(DEEP.n_layers)}

@@ -95,6 +95,7 @@ imports only its own layer and those below it: tests/test_structure.py checks it
             links         the links a replay prices communication on: α-β models by name
             replay        the ranks' logs replayed as if each rank had its own device
             trace         recorded and replayed timelines as a Chrome / Perfetto trace
+            events        a pipeline step's recorded or replayed timeline as its Events (11)
             clocks        one recording on three clocks (measured, replayed, priced), as a table
             tp_overlap    TP's ways of hiding its communication, priced on an H100 node (19)
         dryrun/           one rank of a 1,000-GPU job on the meta device: bytes held and sent (13)

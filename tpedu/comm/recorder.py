@@ -13,12 +13,14 @@ What one rank's log holds, in the order it happened:
     Comm     a call of tpedu.comm.collectives: op, group (global ranks), bytes, peer of a send or
              receive, blocking or asynchronous, when it was issued and when it returned
     Wait     the `.wait()` on an asynchronous call's handle: when it began and ended
-    Mark     a named instant (a step boundary)
+    Mark     a named instant (a step boundary), or one with data: `mark("free", "block 2",
+             nbytes)` says what it is about and its bytes (ZeRO-3's buffers coming and going,
+             which is no communication; the chunk a TP overlap's call belongs to)
 
 Every wrapper in tpedu.comm.collectives is decorated with `timed` and calls `note`; with no
-recorder active both return at once, so recording off changes nothing, bit for bit. On CUDA the
-CPU time is the launch, not the kernel: this recorder is for CPU ranks (the replay's point is a
-laptop).
+recorder active both return at once, as do `label` and `mark`, so recording off changes
+nothing, bit for bit. On CUDA the CPU time is the launch, not the kernel: this recorder is for
+CPU ranks (the replay's point is a laptop).
 """
 
 from __future__ import annotations
@@ -81,10 +83,14 @@ class Wait:
 
 @dataclass
 class Mark:
-    """A named instant, e.g. 'step 3'."""
+    """A named instant, e.g. 'step 3'. `what` and `nbytes`, when given, say what it is about:
+    a ZeRO buffer's 'gather' or 'free' (the buffer's name and size), a TP overlap's 'chunk'
+    (whose call was just issued)."""
 
     name: str
     wall: float
+    what: str = ""
+    nbytes: int = 0
 
 
 Span = Compute | Comm | Wait | Mark
@@ -138,10 +144,10 @@ class Recorder:
         self._close()
         _active.remove(self)
 
-    def mark(self, name: str) -> None:
+    def mark(self, name: str, what: str = "", nbytes: int = 0) -> None:
         """A named instant, e.g. the start of a step (closes the compute span before it)."""
         self._close()
-        self.log.spans.append(Mark(name, self._wall))
+        self.log.spans.append(Mark(name, self._wall, what, nbytes))
 
     def _restart(self) -> None:
         self._wall, self._cpu = time.perf_counter(), time.thread_time()
@@ -162,6 +168,13 @@ def active() -> Recorder | None:
 def on() -> bool:
     """Whether this rank is recording (the collectives' cheap test)."""
     return bool(_active)
+
+
+def mark(name: str, what: str = "", nbytes: int = 0) -> None:
+    """This rank's recorder's `mark` (e.g. `mark("gather", "block 0", 1024)`); nothing when
+    not recording."""
+    if _active:
+        _active[0].mark(name, what, nbytes)
 
 
 class label:

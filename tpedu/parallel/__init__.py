@@ -2,7 +2,7 @@
 ZeRO, and the mesh.
 
     config         ParallelConfig: how a model runs, kept apart from what it is (lessons 08–15)
-    pipeline       stages and schedules (GPipe, 1F1B, interleaved) with event logs (lesson 11)
+    pipeline       stages and schedules (GPipe, 1F1B, interleaved), simulated and run (lesson 11)
     data_parallel  DataParallel: bucketed gradient all-reduce from backward hooks (lesson 12)
     zero           ZeRO-1, -2 and -3 (FSDP): AdamW states, gradients, then parameters sharded
                    over DP (lesson 12)

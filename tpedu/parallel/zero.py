@@ -58,7 +58,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tpedu.comm import collectives
+from tpedu.comm import collectives, recorder
 from tpedu.parallel.data_parallel import GradientSync, split_by_group
 
 LEVELS = (1, 2, 3)
@@ -71,9 +71,9 @@ class FlatBuffer:
     updates (a view of full at level 1 and 2 without a gather_dtype, else a copy); grads
     [N·n] (level 1 only): the parameters' .grad are views into it, shard.grad its slice;
     grad_weight [n]: 1 / (ranks holding a copy) per element, 0 for padding and for elements the
-    gradient norm leaves out (a tied head's second copy). `log`: set it to a list to
-    record ("gather" | "free", self, perf_counter()) when the buffer's memory comes and goes
-    (lesson 12's timeline)."""
+    gradient norm leaves out (a tied head's second copy). While a recorder runs
+    (tpedu.comm.recorder), the buffer marks when its memory comes and goes: mark("gather" |
+    "free", name, nbytes); `name` is for the reader (lesson 12 names its units)."""
 
     def __init__(
         self,
@@ -120,7 +120,7 @@ class FlatBuffer:
         self.gathered, self.gather_work = True, None
         self.waited = 0.0  # seconds spent blocked on this buffer's all-gathers
         self.ready, self.grad_out, self.grad_work = 0, None, None
-        self.log: list[tuple[str, FlatBuffer, float]] | None = None
+        self.name = ""  # what the recorder's gather/free marks call this buffer
 
     def flat(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         """Tensors shaped like `params`, end to end and zero-padded: [N·n], the buffer's layout."""
@@ -135,8 +135,7 @@ class FlatBuffer:
                 self.wait_gather()
             return
         self.full.untyped_storage().resize_(self.nbytes)
-        if self.log is not None:
-            self.log.append(("gather", self, time.perf_counter()))
+        recorder.mark("gather", self.name, self.nbytes)
         self.gather_work = self._all_gather(async_op=True)  # waited for below or when needed
         if not async_op:
             self.wait_gather()
@@ -174,8 +173,8 @@ class FlatBuffer:
 
     def free(self) -> None:
         """Drop the full buffer's memory (the parameters keep their shapes, not their data)."""
-        if self.log is not None and (self.gathered or self.gather_work is not None):
-            self.log.append(("free", self, time.perf_counter()))
+        if recorder.on() and (self.gathered or self.gather_work is not None):
+            recorder.mark("free", self.name, self.nbytes)
         if self.gather_work is not None:  # a prefetch still in flight: let it land, unused
             self.gather_work.wait()
             self.gather_work, self.narrow = None, None

@@ -14,7 +14,7 @@ b/n sequences each, and chunk i's all-reduce can be on the wire while chunk i+1 
 The waits are autograd nodes of their own: `wait_grad(x)` sits in front of f, so its backward
 (which waits) runs strictly after f's (which issues) on any schedule: correct on every order;
 the order above (the wait nodes are created before any chunk's compute, so they run after every
-chunk's) is what makes it overlap, and `tpedu.tp.overlap.record_events()` shows it. Per
+chunk's) is what makes it overlap, and the rank clock (tpedu.comm.recorder) shows it. Per
 half-block the last chunk's all-reduce stays exposed: (n-1)/n of the traffic can hide. Same collectives as the
 unsplit block, n times as many, each 1/n the size.
 
@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from tpedu.comm import collectives
+from tpedu.comm import collectives, recorder
 from tpedu.tp.dense import (
     ACTIVATIONS,
     ATTENTION_DROPOUT_SITE,
@@ -46,7 +46,6 @@ from tpedu.tp.dense import (
     attend,
 )
 from tpedu.tp.dropout import derive_seed, index_dropout
-from tpedu.tp.overlap import log_event
 from tpedu.tp.rope import apply_rope
 
 
@@ -58,13 +57,12 @@ class Pending:
 
     def start(self, work: Any) -> None:
         self.work = work
-        log_event(f"{self.what}issue {self.chunk}")
+        recorder.mark("chunk", f"{self.what}{self.chunk}")  # names the call just issued
 
     def wait(self) -> None:
         if self.work is not None:
             self.work.wait()
             self.work = None
-            log_event(f"{self.what}wait {self.chunk}")
 
 
 class IssueAllReduce(torch.autograd.Function):

@@ -16,9 +16,10 @@ Communication fuses f into the linear layer so backward can do:
     wait; return dL/dx
 
 Same arithmetic in the same order, so the results are bitwise those of the unfused layer; only
-the timeline changes. `record_events()` logs the order (issue / weight grad / wait) for tests and
-the lesson; the gain is measured in benchmarks/bench_overlap.py. In the model it is switched on
-by GPTConfig(overlap_comm=True): `tpedu.tp.layers.column_parallel_linear(...,
+the timeline changes. The rank clock (tpedu.comm.recorder) shows the order: the all-reduce
+issued asynchronously, the compute span labelled "weight grad", then the wait; the gain is
+measured in benchmarks/bench_overlap.py. In the model it is switched on by
+GPTConfig(overlap_comm=True): `tpedu.tp.layers.column_parallel_linear(...,
 async_grad_all_reduce=True)` in front of QKV, fc1 and the vocab-parallel head.
 
 (On GPUs Megatron also sets CUDA_DEVICE_MAX_CONNECTIONS=1 so the all-reduce's kernel is
@@ -28,8 +29,6 @@ thread.)
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -37,27 +36,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tpedu.comm import collectives, recorder
-
-_events: list[list[str]] = []
-
-
-def log_event(event: str) -> None:
-    """Add `event` to every log `record_events` has open (the TP overlaps' order, shown in
-    lesson 15 and tested: this module's and tpedu.tp.chunked's)."""
-    for log in _events:
-        log.append(event)
-
-
-@contextlib.contextmanager
-def record_events() -> Iterator[list[str]]:
-    """Collect the overlaps' event order: here 'all_reduce issued', 'weight grad', 'all_reduce
-    done'; tpedu.tp.chunked's 'issue i' / 'wait i' (forward), 'grad issue i' / 'grad wait i'."""
-    log: list[str] = []
-    _events.append(log)
-    try:
-        yield log
-    finally:
-        _events.remove(log)
 
 
 class LinearWithAsyncGradAllreduce(torch.autograd.Function):
@@ -89,15 +67,12 @@ class LinearWithAsyncGradAllreduce(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_x = grad.matmul(weight)  # [..., in]: this rank's share of dL/dx
             work = collectives.all_reduce(grad_x, ctx.group, async_op=True)
-            log_event("all_reduce issued")
         with recorder.label("weight grad"):  # the rank clock's span beside the all-reduce
             g2, x2 = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
             grad_w = g2.t().matmul(x2) if ctx.needs_input_grad[1] else None  # while it runs
             grad_b = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        log_event("weight grad")
         if work is not None:
             work.wait()
-            log_event("all_reduce done")
         return grad_x, grad_w, grad_b, None
 
 

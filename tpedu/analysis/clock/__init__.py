@@ -10,6 +10,8 @@
                           time, bubble, exposed and hidden communication
     trace                 the recorded and the replayed timelines as a Chrome trace / Perfetto
                           JSON file (`tpedu train --trace FILE`)
+    events                a pipeline step's recorded or replayed timeline as the Events that
+                          tpedu.parallel.pipeline.schedules draws and measures the bubble of
 
 On a 2-core laptop 4 ranks share 2 cores: a rank's wall clock includes the other ranks' turns,
 but its CPU time does not. Every rank's work is real and exact; only the clock is shared, and

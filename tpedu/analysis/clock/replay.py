@@ -58,7 +58,8 @@ class _Op:
 @dataclass
 class Timeline:
     """A replay's result: every rank's spans, the step time and its split (seconds; the
-    per-rank lists are in rank order, the properties their means)."""
+    per-rank lists are in rank order, the properties their means). `marks`: when the last
+    rank reached each mark without data (a step's boundary: recorder.mark(name))."""
 
     ranks: list[int]
     spans: list[Span]
@@ -130,7 +131,7 @@ def _program(log: RankLog, ops: dict[tuple, _Op], nets: dict[str, AlphaBeta]) ->
     for i, s in enumerate(log.spans):
         if isinstance(s, Compute):
             prog.append(("c", s.cpu, s.name))
-        elif isinstance(s, Mark):
+        elif isinstance(s, Mark) and not s.what:  # a boundary; one with data only annotates
             prog.append(("m", s.name))
         elif isinstance(s, Comm):
             key = keys[i] = _key(s, r)

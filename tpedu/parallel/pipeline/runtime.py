@@ -2,19 +2,21 @@
 
 `run_schedule` executes this rank's list of actions (tpedu.parallel.pipeline.schedules) on its
 model chunks: forwards receive the previous stage's activations and send theirs on, backwards
-send the gradient w.r.t. their input back, and it returns the loss, the event log and the peak
-number of micro-batches in flight. `Pipe` is this rank's place in one pipeline (from a
-tpedu.parallel.mesh.Mesh), `build_stage_chunks` cuts a DenseGPT into this rank's TPGPT chunks,
-and `sync_tied_grads` sums the gradients of a tied embedding's two copies (first and last stage).
+send the gradient w.r.t. their input back, and it returns the loss and the peak number of
+micro-batches in flight. It labels each forward's and backward's compute for the rank clock
+(tpedu.comm.recorder: F<micro-batch>, B<micro-batch>, with .<chunk> when a rank has several),
+so a recorded step is the pipeline's timeline (tpedu.analysis.clock.events). `Pipe` is this
+rank's place in one pipeline (from a tpedu.parallel.mesh.Mesh), `build_stage_chunks` cuts a
+DenseGPT into this rank's TPGPT chunks, and `sync_tied_grads` sums the gradients of a tied
+embedding's two copies (first and last stage).
 """
 
 from __future__ import annotations
 
 import datetime
-import time
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -23,7 +25,7 @@ from torch import nn
 from tpedu.comm import collectives, recorder
 from tpedu.model.gpt import TPGPT
 from tpedu.model.options import RunOptions
-from tpedu.parallel.pipeline.schedules import Action, Event, action_parts, stage_layers
+from tpedu.parallel.pipeline.schedules import Action, action_parts, stage_layers
 
 
 @dataclass
@@ -72,7 +74,6 @@ class StepResult:
     """What one pipelined step gave this rank."""
 
     loss: torch.Tensor | None  # the mean loss over micro-batches (last stage), else None
-    events: list[Event] = field(default_factory=list)
     peak_in_flight: int = 0
 
 
@@ -117,21 +118,11 @@ def run_schedule(
     sends: list[tuple[dist.Work, torch.Tensor]] = []
     stash: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
     loopback: dict[tuple[str, int, int], torch.Tensor] = {}  # p = 1: chunk to chunk, no comm
-    events: list[Event] = []
     total: torch.Tensor | None = None
     peak = 0
 
-    def clock() -> float:
-        # On CUDA, work is queued: wait for this rank's compute stream (which a finished
-        # irecv's wait() also orders) so events time the work, not its launch. NCCL's own
-        # streams are not waited for: a pending isend must not block the clock.
-        if device.type == "cuda":
-            torch.cuda.current_stream(device).synchronize()
-        return time.perf_counter()
-
     def receive(src: int, group: dist.ProcessGroup | None, what: str) -> torch.Tensor:
         buf = torch.empty(tuple(hidden_shape), dtype=dtype, device=device)
-        t = clock()
         work = collectives.irecv(buf, src, group)
         try:
             if recv_timeout is None:
@@ -144,7 +135,6 @@ def run_schedule(
                 f"{src}: the stages' schedules do not match (a send without its receive), or a "
                 f"stage before it failed. ({str(e).splitlines()[0][:120]})"
             ) from e
-        events.append(Event(s, "wait", -1, -1, t, clock()))
         return buf
 
     for action in actions:
@@ -164,10 +154,8 @@ def run_schedule(
                     )
                 )
                 x.requires_grad_(torch.is_grad_enabled())
-            t = clock()
             with recorder.label(f"F{mb}" if len(chunks) == 1 else f"F{mb}.{c}"):  # rank clocks
                 out = chunks[c](x, targets[mb] if vs == last_vs else None, step=step)
-            events.append(Event(s, "F", mb, c, t, clock()))
             if vs == last_vs:
                 out = out / n_micro
                 total = out.detach() if total is None else total + out.detach()
@@ -190,7 +178,6 @@ def run_schedule(
                 group = _edge(pipe, s + 1, s, "bwd")
                 grad = receive(next_rank, group, f"the gradient of micro-batch {mb}")
             sync = no_sync is None or mb == n_micro - 1
-            t = clock()
             if vs == last_vs and loss_scale != 1.0:
                 out = out * loss_scale
             with (
@@ -198,7 +185,6 @@ def run_schedule(
                 recorder.label(f"B{mb}" if len(chunks) == 1 else f"B{mb}.{c}"),
             ):
                 torch.autograd.backward(out, grad)
-            events.append(Event(s, "B", mb, c, t, clock()))
             if vs > 0:
                 g = x.grad.contiguous()
                 if p == 1:
@@ -207,7 +193,7 @@ def run_schedule(
                     sends.append((collectives.isend(g, prev_rank, _edge(pipe, s, s - 1, "bwd")), g))
     for work, _ in sends:
         work.wait()
-    return StepResult(total, events, peak)
+    return StepResult(total, peak)
 
 
 def build_stage_chunks(
