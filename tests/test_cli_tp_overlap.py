@@ -1,6 +1,7 @@
 """`train --tp-overlap chunks|ring`: the same losses and gradient norms as the run without it, at
 (tp 2) / (tp 2, sequence parallel), at (tp 2, pp 2, dp 2) and at (tp 2, dp 2, ZeRO-3); bad
-combinations are one-line errors (exit code 2) before any rank starts.
+combinations are one-line errors (exit code 2) before any rank starts. With context parallelism
+and with experts: tests/test_tp_overlap_cp_moe.py.
 
 Tolerance 1e-6 relative, float32 (eps 1.2e-7): chunked blocks add each weight gradient as n
 chunk products and the ring adds its partial sums in its own order (a few ulps per gradient),
@@ -66,11 +67,6 @@ def test_overlap_runs_match_the_run_without(layout, tmp_path, capfd):
             "--tp-chunks 3 does not divide the micro-batch of 4 sequences",
         ),
         (["--tp-overlap", "chunks", "--tp-chunks", "0"], "tp_chunks must be at least 1"),
-        (["--tp-overlap", "chunks", "--experts", "4"], "tp_overlap 'chunks' with a mixture"),
-        (
-            ["--tp-overlap", "chunks", "--cp", "2", "--dropout", "0"],
-            "with context parallelism is not built",
-        ),
     ],
 )
 def test_bad_overlap_combinations_are_one_line_errors(flags, message, capfd):

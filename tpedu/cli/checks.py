@@ -20,6 +20,7 @@ import torch
 from tpedu.cli.parser import TP_COMMANDS
 from tpedu.launcher import under_torchrun
 from tpedu.model.config import GPTConfig
+from tpedu.model.gpt import check_ring_overlap
 from tpedu.parallel.config import ParallelConfig
 from tpedu.parallel.mesh import AXIS_NAMES
 
@@ -275,6 +276,8 @@ def check_vocab(args: argparse.Namespace, saved: GPTConfig, vocab_size: int) -> 
 def parallel_config(args: argparse.Namespace) -> ParallelConfig:
     """train's ParallelConfig from its flags (a one-line error if they do not make one)."""
     try:
+        # before ParallelConfig's "ring needs --sequence-parallel", which --experts cannot take
+        check_ring_overlap(args.tp_overlap, args.cp, args.experts > 0)
         return ParallelConfig(
             args.tp,
             args.pp,

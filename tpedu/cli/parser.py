@@ -322,7 +322,8 @@ def _tp_overlap_flags(p: argparse.ArgumentParser) -> None:
         choices=TP_OVERLAPS,
         default="none",
         help="hide TP's communication (lesson 19): chunks (batch chunks, one's all-reduce "
-        "under the next's compute) or ring (collective matmul; needs --sequence-parallel)",
+        "under the next's compute; with --experts the MoE half runs unchunked) or ring "
+        "(collective matmul; needs --sequence-parallel, so not with --cp or --experts)",
     )
     p.add_argument(
         "--tp-chunks",

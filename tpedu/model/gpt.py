@@ -21,9 +21,10 @@ sums the gradients of the replicated parameters that saw only a sequence shard. 
 (lesson 10): "selective" recomputes the attention core in backward, "full" the whole block from
 its input. `overlap_comm` (lesson 15): f's backward all-reduce runs while dL/dW is computed.
 `tp_overlap` (lesson 19): "chunks" runs each block as `tp_chunks` batch chunks, one chunk's
-all-reduce on the wire while the next computes (tpedu.tp.chunked); "ring" (with sequence
-parallelism) does every block's and the head's all-gather and reduce-scatter as ring steps
-under their matmuls (tpedu.tp.collective_matmul).
+all-reduce on the wire while the next computes (tpedu.tp.chunked; with CP each chunk's
+attention is CP's, with experts only the attention half is chunked); "ring" (with sequence
+parallelism, so not with CP or experts) does every block's and the head's all-gather and
+reduce-scatter as ring steps under their matmuls (tpedu.tp.collective_matmul).
 `cp_group` (context parallelism, tpedu.cp): each CP rank feeds its positions of the sequence
 (`cp_layout`: zig-zag or contiguous, `tpedu.cp.ring.split_sequence`), learned positions and
 RoPE use the global positions, attention is ring or Ulysses attention (`cp_strategy`) over the
@@ -119,13 +120,18 @@ def all_reduce_context_parallel_grads(
 CP_ATTENTION = {"ring": ring_attention, "ulysses": ulysses_attention}  # RunOptions.cp_strategy
 
 
-def check_cp_overlap(tp_overlap: str) -> None:
-    """Raise a ValueError: a tp_overlap is not built for context parallelism."""
-    if tp_overlap != "none":
-        raise ValueError(
-            f"tp_overlap {tp_overlap!r} with context parallelism is not built; use "
-            "--tp-overlap none with --cp"
-        )
+def check_ring_overlap(tp_overlap: str, cp: int = 1, experts: bool = False) -> None:
+    """Raise a one-line ValueError: tp_overlap "ring" does not apply with context parallelism
+    or a mixture of experts (it needs sequence parallelism, which neither runs with)."""
+    if tp_overlap != "ring" or (cp == 1 and not experts):
+        return
+    what, flag = (
+        ("context parallelism", "--cp") if cp > 1 else ("a mixture of experts", "--experts")
+    )
+    raise ValueError(
+        f"tp_overlap 'ring' needs sequence parallelism, which {what} does not support; use "
+        f"--tp-overlap chunks (or none) with {flag}"
+    )
 
 
 def check_context_parallel(
@@ -145,12 +151,9 @@ def check_context_parallel(
 
 
 def check_moe_options(sequence_parallel: bool, tp_overlap: str = "none") -> None:
-    """Raise a ValueError if a model with experts cannot run so."""
-    if tp_overlap == "chunks":
-        raise ValueError(
-            "tp_overlap 'chunks' with a mixture of experts is not built: the chunked block "
-            "splits a dense MLP's all-reduces; use --tp-overlap none with --experts"
-        )
+    """Raise a ValueError if a model with experts cannot run so. tp_overlap "chunks" runs:
+    the attention half chunked, the MoE half on the whole batch (tpedu.tp.chunked)."""
+    check_ring_overlap(tp_overlap, experts=True)
     if sequence_parallel:
         raise ValueError(
             "sequence parallelism with a mixture of experts is not built: each expert, split "
@@ -240,9 +243,13 @@ class TPBlock(nn.Module):
         cache: LayerCache | None = None,
     ) -> torch.Tensor:
         seed = derive_seed(self.seed, ATTENTION_OUTPUT_DROPOUT_SITE, step)
-        overlap = self.tp_overlap if cache is None and positions is None else "none"
+        overlap = self.tp_overlap if cache is None else "none"
         if overlap == "chunks":  # the same all-reduces, chunk by chunk, async
-            return chunked_block(x, step, self.tp_chunks, self, seed)
+            # experts: the MoE half on the whole batch (routing and capacity see every token)
+            moe = None
+            if isinstance(self.mlp, ExpertParallelMoE):
+                moe = lambda h: mlp_output(self, self.norm2(h), step)
+            return chunked_block(x, step, self.tp_chunks, self, seed, positions, moe)
         if overlap == "ring":  # sequence parallel; each collective as ring steps under a matmul
             x = x + sequence_dropout(
                 ring_attention_forward(self.attn, self.norm1(x), step),
@@ -295,8 +302,8 @@ class TPGPT(nn.Module):
         self.cp, self.cp_layout = options.cp, options.cp_layout
         self.cp_group = options.cp_group if self.cp > 1 else None
         if self.cp > 1:
+            check_ring_overlap(options.tp_overlap, self.cp)
             check_context_parallel(config, sequence_parallel, options.cp_strategy, self.tp, self.cp)
-            check_cp_overlap(options.tp_overlap)
         layers = range(config.n_layers) if layers is None else layers
         if not (0 <= layers.start <= layers.stop <= config.n_layers and layers.step == 1):
             raise ValueError(

@@ -20,10 +20,11 @@ under any other (lesson 14):
                         pp, dp (`Layout`)
     ep                  expert parallelism, carved from DP: each DP group's runs of ep ranks
                         hold different experts of every mixture-of-experts layer (tpedu.moe)
-    tp_overlap          hide TP's communication (lesson 15): "chunks" runs each block as
-    tp_chunks           tp_chunks batch chunks of a micro-batch (tpedu.tp.chunked), "ring" the
+    tp_overlap          hide TP's communication (lesson 19): "chunks" runs each block as
+    tp_chunks           tp_chunks batch chunks of a micro-batch (tpedu.tp.chunked; with CP
+                        too, with experts the attention half only), "ring" the
                         sequence-parallel collectives as ring steps under the matmuls
-                        (tpedu.tp.collective_matmul)
+                        (tpedu.tp.collective_matmul; not with CP or experts: no SP there)
 
 `model_options(mesh)` is what `TPGPT` takes of it, a `tpedu.model.options.RunOptions`: the model
 layer does not import this one.
@@ -35,7 +36,7 @@ from dataclasses import asdict, dataclass, fields
 
 from tpedu.cp.ring import LAYOUTS, check_cp_length
 from tpedu.model.config import RECOMPUTE, GPTConfig
-from tpedu.model.gpt import check_context_parallel, check_cp_overlap, check_moe_options
+from tpedu.model.gpt import check_context_parallel, check_moe_options, check_ring_overlap
 from tpedu.model.options import CP_STRATEGIES, TP_OVERLAPS, RunOptions, check_tp_overlap
 from tpedu.moe.expert_parallel import check_experts_divide
 from tpedu.parallel.mesh import AXIS_NAMES, Layout, Mesh
@@ -83,6 +84,8 @@ class ParallelConfig:
         ):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
+        # ep > 1 means experts: a ring there is refused for what it is, not for a missing SP
+        check_ring_overlap(self.tp_overlap, self.cp, self.ep > 1)
         check_tp_overlap(self.tp_overlap, self.tp_chunks, self.sequence_parallel)
         if self.micro_batches is not None and self.micro_batches < 1:
             raise ValueError(f"micro_batches must be at least 1, got {self.micro_batches}")
@@ -122,7 +125,6 @@ class ParallelConfig:
             check_context_parallel(
                 config, self.sequence_parallel, self.cp_strategy, self.tp, self.cp
             )
-            check_cp_overlap(self.tp_overlap)
         if config.experts:
             check_moe_options(self.sequence_parallel, self.tp_overlap)
         if self.ep > 1:

@@ -24,6 +24,16 @@ over b rows (MKL picks kernels by shape), weight gradients become a sum of n chu
 and the all-reduces add the same t terms in a size-dependent order (bitwise at t = 2). So:
 float64 within 1e-12 of the unsplit and dense block, not bitwise in general (measured,
 tests/test_tp_overlap_chunks.py: worst 1.4e-16; 1 of 28 gradient tensors bitwise).
+
+With context parallelism (positions given) each chunk's attention core is the block's CP
+attention (ring or Ulysses, tpedu.cp) over the CP group on its b/n sequences: chunks cut the
+batch, CP the sequence, so the two are independent. Every rank builds the same graph, so each
+group (TP, CP) sees its collectives in the same order on all its ranks, forward and backward.
+
+With a mixture of experts only the attention half is chunked: the MoE half runs on the whole
+batch, as in the unsplit block, because the router's load-balancing loss and each expert's
+capacity (which tokens are dropped) are computed over all the block's tokens; chunking them
+would change the model, not just the schedule.
 """
 
 from __future__ import annotations
@@ -111,19 +121,31 @@ class WaitGrad(torch.autograd.Function):
 
 
 def attention_core(
-    attn: nn.Module, qkv: torch.Tensor, step: int, b0: int = 0, batch: int | None = None
+    attn: nn.Module,
+    qkv: torch.Tensor,
+    step: int,
+    b0: int = 0,
+    batch: int | None = None,
+    positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A ParallelAttention's heads on qkv [b, s, (nq/t + 2·nkv_r)·d] -> [b, s, nq/t·d], for
     sequences b0 .. b0+b of a batch of `batch` (dropout draws that slice of the dense mask).
-    No communication. Selective recomputation (attn.recompute_core) as in the layer."""
+    No TP communication. Selective recomputation (attn.recompute_core) as in the layer.
+    `positions` [cp, s] (context parallelism; s: this rank's positions): RoPE at the global
+    positions and the core is attn.cp_attention over attn.cp_group (its ring sends or
+    all-to-alls, forward and backward), as in ParallelAttention.forward."""
     nq, nkv, d = len(attn.q_heads), len(attn.kv_heads), attn.head_dim
     b, s, _ = qkv.shape
     q, k, v = qkv.split([nq * d, nkv * d, nkv * d], dim=-1)
     q = q.view(b, s, nq, d).transpose(1, 2)  # [b, nq/t, s, d]
     k = k.view(b, s, nkv, d).transpose(1, 2)
     v = v.view(b, s, nkv, d).transpose(1, 2)
+    mine = None if positions is None else positions[dist.get_rank(attn.cp_group)]
     if attn.rope_theta is not None:
-        q, k = apply_rope(q, attn.rope_theta), apply_rope(k, attn.rope_theta)
+        q, k = apply_rope(q, attn.rope_theta, mine), apply_rope(k, attn.rope_theta, mine)
+    if positions is not None:  # CP refuses dropout, and its core keeps its own activations
+        out = attn.cp_attention(q, k, v, positions, attn.cp_group)
+        return out.transpose(1, 2).reshape(b, s, nq * d)
     batch = b if batch is None else batch
 
     def core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -200,10 +222,16 @@ def chunked_block(
     chunks: int,
     block: nn.Module,
     attention_dropout_seed: int,
+    positions: torch.Tensor | None = None,
+    moe: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """A TPBlock (norm1, attn, norm2, mlp, p) on x [b, s, H] as `chunks` batch chunks ->
     [b, s, H]. Per half-block and chunk: forward 1 all-reduce of b/n·s·H (async), backward 1
-    (async): the unsplit block's traffic in n pieces. chunks must divide b."""
+    (async): the unsplit block's traffic in n pieces. chunks must divide b.
+    `positions` [cp, s] (context parallelism): each chunk's attention core is the CP attention,
+    its CP communication per chunk on b/n sequences. `moe` (a mixture of experts: the block's
+    norm2 ─► MoE output, x [b, s, H] -> [b, s, H]): the MLP half runs once on the whole batch,
+    its collectives the unsplit block's."""
     b, s, h = x.shape
     if chunks < 1 or b % chunks:
         raise ValueError(
@@ -216,7 +244,7 @@ def chunked_block(
 
     def attention(hc: torch.Tensor, i: int) -> torch.Tensor:
         qkv = F.linear(hc, attn.qkv.weight, attn.qkv.bias)
-        return F.linear(attention_core(attn, qkv, step, offs[i], b), attn.out.weight)
+        return F.linear(attention_core(attn, qkv, step, offs[i], b, positions), attn.out.weight)
 
     def mlp_partial(hc: torch.Tensor, i: int) -> torch.Tensor:
         return F.linear(mlp_hidden(mlp, hc, step, offs[i], b), mlp.fc2.weight)
@@ -227,6 +255,9 @@ def chunked_block(
         c + index_dropout(ac, block.p, attention_dropout_seed, (b, s, h), (o, 0, 0), block.training)
         for c, ac, o in zip(xs, a, offs, strict=True)
     ]
+    if moe is not None:  # routing and capacity over the whole batch: not chunked
+        x = torch.cat(xs)
+        return x + moe(x)
     m = _half([block.norm2(c) for c in xs], mlp_partial, mlp.fc2.bias, group)
     seed = derive_seed(mlp.seed, OUTPUT_DROPOUT_SITE, step)
     return torch.cat(
