@@ -15,8 +15,10 @@ file changed) and points the grader at it; the real exercises/ is never touched.
 - lessons 12 and 15 with one wrong piece (buckets from the first parameter, a sum for a mean,
   memory kept after free, a ZeRO stage sharding the wrong part, a ring of N - 1 steps, α and β
   swapped): the claim on it fails and names the cause, with no ✓ from the reference's;
-- lesson 19's ring as a wrapper or an alias of tpedu's own (tpedu.tp.collective_matmul): the
-  exercise's value check refuses it, naming tpedu's ring.
+- an exercise solved by tpedu's own twin of it, aliased or wrapped (lesson 02's ring with
+  tpedu.comm.ring's, lesson 04's layers with tpedu.tp.layers', lesson 19's with
+  tpedu.tp.collective_matmul's ring, ...): the exercise's checks refuse it, naming the tpedu
+  function that ran (tests.exercises.refusing).
 """
 
 import os
@@ -509,37 +511,297 @@ def test_lessons_12_and_15_pass_the_reference_and_name_it(monkeypatch, capsys):
     assert "your" not in out and out.count("✓") == 2 + 3 + 3
 
 
-# ---- lesson 19: tpedu's own ring, wrapped or aliased, is not the learner's
+# ---- tpedu's own twin of an exercise, aliased or wrapped, is not the learner's
 
 
-@pytest.mark.parametrize(
-    "cheat",
-    [
-        """
-        from tpedu.tp.collective_matmul import ring_all_gather_linear
+def _stub_with(name, text):
+    """The stub of exercise `name` with `text` after it: what it defines replaces the stub's."""
+    return _stub(name) + textwrap.dedent(text)
 
 
-        def ring_all_gather_matmul(x, weight, group=None):
-            return ring_all_gather_linear(x, [weight], [None], group)[0]
-        """,
-        """
-        import torch.nn.functional as F
+def _twins():
+    """(exercise, the learner's file: its stub with some functions replaced by tpedu's own
+    twins, the graded test to run, its arguments, the twin whose refusal it must report)."""
+    from tpedu.analysis import activation_memory, memory
+    from tpedu.comm import ring
+    from tpedu.comm.cost_model import AlphaBeta
+    from tpedu.cp import ring as cp_ring
+    from tpedu.model import gpt, state
+    from tpedu.moe import dispatch
+    from tpedu.parallel import data_parallel, mesh, zero
+    from tpedu.parallel.pipeline import schedules
+    from tpedu.tp import attention, collective_matmul, embedding, layers, matmul_split, operators
+    from tpedu.tp import sequence_parallel as sp
 
-        from tpedu.tp import collective_matmul as cm
+    return {
+        "l00": (
+            "l00_memory_ledger",
+            _stub_with(
+                "l00_memory_ledger",
+                """
+            from tpedu.analysis.memory import embedding_bytes, training_bytes
+            from tpedu.analysis.shape import gpt_params
+            """,
+            ),
+            "test_training_bytes_seed_and_real_adamw",
+            (),
+            memory.training_bytes,
+        ),
+        "l01": (
+            "l01_matmul_split",
+            _stub_with(
+                "l01_matmul_split",
+                """
+            from tpedu.tp import matmul_split
 
 
-        def ring_all_gather_matmul(x, weight, group=None):
-            return cm.ring_gather_apply(x, group, lambda c: [F.linear(c, weight)])[0]
-        """,
-    ],
-    ids=["wrapper", "its-ring"],
-)
-def test_lesson_19_refuses_tpedus_own_ring(course, monkeypatch, cheat):
-    from tests.exercises import test_l19_ring_allgather_matmul as graded
+            def column_parallel_matmul(x, w, parts, matmul=torch.matmul):
+                return matmul_split.column_parallel_matmul(x, w, parts, matmul)
+            """,
+            ),
+            "test_integer_valued_matrices_are_exact",
+            (),
+            matmul_split.column_parallel_matmul,
+        ),
+        "l02": (
+            "l02_ring_allreduce",
+            _stub_with(
+                "l02_ring_allreduce",
+                "from tpedu.comm.ring import ring_all_gather, ring_all_reduce, ring_reduce_scatter\n",
+            ),
+            "test_ring_all_reduce_on_subgroup",
+            (),
+            ring.ring_all_reduce,
+        ),
+        "l03": (
+            "l03_conjugate_ops",
+            _stub_with(
+                "l03_conjugate_ops",
+                "from tpedu.tp.operators import CopyToTPRegion, ReduceFromTPRegion\n",
+            ),
+            "test_copy_forward_identity_backward_all_reduce",
+            (),
+            operators.CopyToTPRegion.forward,
+        ),
+        "l04": (
+            "l04_parallel_linear",
+            _stub_with(
+                "l04_parallel_linear",
+                "from tpedu.tp.layers import column_parallel_linear, row_parallel_linear\n",
+            ),
+            "test_column_forward",
+            (),
+            layers.column_parallel_linear,
+        ),
+        "l05": (
+            "l05_qkv_split",
+            _stub_with(
+                "l05_qkv_split",
+                """
+            from tpedu.tp import attention
 
-    course("l19_ring_allgather_matmul", cheat)
+
+            def local_heads(n_heads, n_kv_heads, tp, rank):
+                return attention.local_heads(n_heads, n_kv_heads, tp, rank)
+            """,
+            ),
+            "test_local_heads",
+            (),
+            attention.local_heads,
+        ),
+        "l06": (
+            "l06_vocab_parallel_ce",
+            _stub_with("l06_vocab_parallel_ce", "from tpedu.tp.embedding import vocab_range\n"),
+            "test_vocab_range",
+            (),
+            embedding.vocab_range,
+        ),
+        "l07": (
+            "l07_tp_block",
+            _stub_with("l07_tp_block", "from tpedu.model.gpt import TPBlock\n"),
+            "test_communication_contract_and_sharding",
+            (),
+            gpt.TPBlock.__init__,
+        ),
+        "l08": (
+            "l08_sp_ops",
+            _stub_with(
+                "l08_sp_ops", "from tpedu.tp.sequence_parallel import scatter_to_sp_region\n"
+            ),
+            "test_scatter_keeps_own_chunk_and_gathers_grads",
+            (),
+            sp.scatter_to_sp_region,
+        ),
+        "l09": (
+            "l09_context_parallel",
+            _stub_with("l09_context_parallel", "from tpedu.cp.ring import merge_partials\n"),
+            "test_merge_of_two_key_sets_equals_softmax_over_their_union",
+            (),
+            cp_ring.merge_partials,
+        ),
+        "l10": (
+            "l10_activation_ledger",
+            _stub_with(
+                "l10_activation_ledger",
+                "from tpedu.analysis.activation_memory import saved_bytes\n",
+            ),
+            "test_counter_counts_activations_not_parameters",
+            (),
+            activation_memory.saved_bytes,
+        ),
+        "l11": (
+            "l11_one_f_one_b",
+            _stub_with(
+                "l11_one_f_one_b", "from tpedu.parallel.pipeline.schedules import one_f_one_b\n"
+            ),
+            "test_matches_the_worked_example",
+            (),
+            schedules.one_f_one_b,
+        ),
+        "l12-buckets": (
+            "l12_bucketed_allreduce",
+            _stub_with(
+                "l12_bucketed_allreduce",
+                "from tpedu.parallel.data_parallel import all_reduce_bucket, assign_buckets\n",
+            ),
+            "test_worked_example_and_edge_cases",
+            (),
+            data_parallel.assign_buckets,
+        ),
+        "l12-zero": (
+            "l12_zero",
+            _solution_with(
+                "l12_zero",
+                "return self.full.untyped_storage().nbytes()",
+                "from tpedu.parallel.zero import held_bytes\n\n        return held_bytes([self.full])",
+            ),
+            "test_lazy_params_gather_whole_and_hold_nothing_after_free",
+            (1,),
+            zero.held_bytes,
+        ),
+        "l13": (
+            "l13_groups",
+            _stub_with("l13_groups", "from tpedu.parallel.mesh import rank_groups\n"),
+            "test_worked_example",
+            (),
+            mesh.rank_groups,
+        ),
+        "l14": (
+            "l14_reshard",
+            _stub_with(
+                "l14_reshard", "from tpedu.model.state import merge_column, merge_qkv, merge_row\n"
+            ),
+            "test_merge_column",
+            (),
+            state.merge_column,
+        ),
+        "l15": (
+            "l15_alpha_beta",
+            _stub_with(
+                "l15_alpha_beta",
+                """
+            from tpedu.comm.cost_model import AlphaBeta
+
+
+            def ring_all_reduce_seconds(nbytes, ranks, alpha, beta):
+                return AlphaBeta(alpha, beta).predict("all_reduce", nbytes, ranks)
+            """,
+            ),
+            "test_ring_all_reduce_by_hand",
+            (),
+            AlphaBeta.predict,
+        ),
+        "l17": (
+            "l17_kv_decode",
+            _stub_with(
+                "l17_kv_decode",
+                """
+            from types import SimpleNamespace
+
+            from tpedu.tp.attention import ParallelAttention
+
+
+            def decode_attention(q, k, v, cache_k, cache_v, length):
+                cache_k[:, :, length], cache_v[:, :, length] = k[:, :, 0], v[:, :, 0]
+                keys, values = cache_k[:, :, : length + 1], cache_v[:, :, : length + 1]
+                core = ParallelAttention._cached_core
+                return core(SimpleNamespace(fused=True), q, keys, values, None), cache_k, cache_v
+            """,
+            ),
+            "test_decoding_token_by_token_equals_causal_attention",
+            (4, 2, 2),
+            attention.ParallelAttention._cached_core,
+        ),
+        "l18": (
+            "l18_expert_dispatch",
+            _solution_with(
+                "l18_expert_dispatch",
+                "collectives.all_to_all(kept_per_expert.reshape(ep, -1), group)",
+                "exchange_counts(kept_per_expert, group)",
+            ).replace("import all_to_all_tokens\n", "import all_to_all_tokens, exchange_counts\n"),
+            "test_dispatch_sends_each_row_to_its_experts_rank",
+            (2,),
+            dispatch.exchange_counts,
+        ),
+        "l19-wrapper": (
+            "l19_ring_allgather_matmul",
+            _stub_with(
+                "l19_ring_allgather_matmul",
+                """
+            from tpedu.tp.collective_matmul import ring_all_gather_linear
+
+
+            def ring_all_gather_matmul(x, weight, group=None):
+                return ring_all_gather_linear(x, [weight], [None], group)[0]
+            """,
+            ),
+            "test_ring_equals_the_gathered_matmul",
+            (),
+            collective_matmul.RingAllGatherLinear.forward,
+        ),
+        "l19-its-ring": (
+            "l19_ring_allgather_matmul",
+            _stub_with(
+                "l19_ring_allgather_matmul",
+                """
+            import torch.nn.functional as F
+
+            from tpedu.tp import collective_matmul as cm
+
+
+            def ring_all_gather_matmul(x, weight, group=None):
+                return cm.ring_gather_apply(x, group, lambda c: [F.linear(c, weight)])[0]
+            """,
+            ),
+            "test_ring_sends_one_shard_right_each_step",
+            (),
+            collective_matmul.ring_gather_apply,
+        ),
+    }
+
+
+TWINS = _twins()
+
+
+@pytest.mark.parametrize("case", list(TWINS))
+def test_tpedus_own_twin_of_an_exercise_is_refused(course, monkeypatch, case):
+    """The learner's file aliases or wraps tpedu's own twin of the exercise: the graded test
+    fails, naming the tpedu function that ran. (The stubs' other functions still raise
+    NotImplementedError; the test chosen needs only the ones replaced.)"""
+    import importlib
+    import re
+
+    from tests.exercises import refused
+
+    name, mine, test, args, twin = TWINS[case]
+    course(name, mine)
     monkeypatch.setenv("TPEDU_IMPL", "exercises")
-    with pytest.raises(AssertionError, match="tpedu's own ring ran"):
-        graded.test_ring_equals_the_gathered_matmul()
-    for test in (graded.test_ring_sends_one_shard_right_each_step, graded.test_group_argument):
-        test()  # the wrapped ring is a real ring: only the check of whose ring ran refuses it
+    graded = importlib.import_module(f"tests.exercises.test_{name}")
+    if hasattr(graded, "results"):  # l18 keeps each launch's outcome: not this file's
+        graded.results.cache_clear()
+    try:
+        with pytest.raises(Exception, match=re.escape(refused(twin))):
+            getattr(graded, test)(*args)
+    finally:
+        if hasattr(graded, "results"):
+            graded.results.cache_clear()

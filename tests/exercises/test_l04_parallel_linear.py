@@ -5,6 +5,9 @@ Tolerances (float64, values O(1-10)): 1e-12 absolute. A parallel layer computes 
 products as the dense one, but CPU BLAS picks other kernels for other widths (a few ulps), and
 the row layer's partial sums are added across ranks in another order (~1e-14). Any real mistake
 (wrong shard, missing sum, bias counted t times) is O(1).
+
+tpedu's own layers (tpedu.tp.layers) refuse to run while the learner's code does, so a wrapper
+or an alias of them fails.
 """
 
 import torch
@@ -12,12 +15,19 @@ import torch.distributed as dist
 from torch import nn
 
 import tpedu
-from tests.exercises import parity_group
+from tests.exercises import parity_group, refusing
 from tests.helpers import calls, randn
 from tpedu.comm.tracer import CommTracer
 from tpedu.course.grading import implementation
+from tpedu.tp import layers
 
 NAME = "l04_parallel_linear"
+TWINS = (
+    layers.column_parallel_linear,
+    layers.row_parallel_linear,
+    layers.ColumnParallelLinear.forward,
+    layers.RowParallelLinear.forward,
+)
 TOL = 1e-12
 BATCH = (3, 5)
 N_IN, N_OUT = 7, 12  # column: 7 -> 12 (12 splits over 2, 3, 4); row: 12 -> 7
@@ -48,6 +58,7 @@ def _col(r: int, t: int, a: torch.Tensor, dim: int) -> torch.Tensor:
     return a.narrow(dim, r * n, n)
 
 
+@refusing(*TWINS)
 def _column_forward_worker() -> list[str]:
     m = implementation(NAME)
     r, t = dist.get_rank(), dist.get_world_size()
@@ -66,6 +77,7 @@ def test_column_forward() -> None:
     _check(_column_forward_worker, (3,))
 
 
+@refusing(*TWINS)
 def _column_backward_worker() -> list[str]:
     m = implementation(NAME)
     r, t = dist.get_rank(), dist.get_world_size()
@@ -94,6 +106,7 @@ def test_column_backward_and_communication() -> None:
     _check(_column_backward_worker, (2,))
 
 
+@refusing(*TWINS)
 def _column_gather_worker() -> list[str]:
     m = implementation(NAME)
     r, t = dist.get_rank(), dist.get_world_size()
@@ -113,6 +126,7 @@ def test_column_gather_output() -> None:
     _check(_column_gather_worker, (4,))
 
 
+@refusing(*TWINS)
 def _row_forward_worker() -> list[str]:
     m = implementation(NAME)
     r, t = dist.get_rank(), dist.get_world_size()
@@ -134,6 +148,7 @@ def test_row_forward_bias_added_once() -> None:
     _check(_row_forward_worker, (3,))
 
 
+@refusing(*TWINS)
 def _row_backward_worker() -> list[str]:
     m = implementation(NAME)
     r, t = dist.get_rank(), dist.get_world_size()
@@ -164,6 +179,7 @@ def test_row_backward_no_communication() -> None:
     _check(_row_backward_worker, (4,))
 
 
+@refusing(*TWINS)
 def _group_worker() -> list[str]:
     m = implementation(NAME)
     rank = dist.get_rank()

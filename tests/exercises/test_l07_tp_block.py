@@ -9,6 +9,9 @@ the output in eval mode (.eval(): no dropout anywhere).
 Tolerance 1e-11 absolute: in float64 the only differences are sums reordered by the row-parallel
 all-reduces (≈1e-16 relative each) on values of magnitude <= ~50; a missing dropout, a wrong
 step, a shared (not copied) norm or a missing residual changes results by >= 1e-3.
+
+tpedu's own block (tpedu.model.gpt.TPBlock) refuses to run while the learner's code does, so a
+wrapper or an alias of it fails.
 """
 
 import pytest
@@ -16,12 +19,15 @@ import torch
 import torch.distributed as dist
 
 import tpedu
+from tests.exercises import refusing
 from tpedu.comm.tracer import CommTracer
 from tpedu.course.grading import implementation
+from tpedu.model import gpt
 from tpedu.model.config import GPTConfig
 from tpedu.model.dense import DenseBlock
 
 NAME = "l07_tp_block"
+TWINS = (gpt.TPBlock.__init__, gpt.TPBlock.forward)
 TOL = 1e-11
 B, S = 3, 7  # uneven on purpose
 
@@ -52,6 +58,7 @@ def _tp_grads(block: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v for k, v in out.items() if v is not None}
 
 
+@refusing(*TWINS)
 def _worker(config: GPTConfig, step: int) -> dict:
     m = implementation(NAME)
     torch.manual_seed(0)

@@ -3,18 +3,34 @@
 Exactness: inputs and gradients are random integers stored as float64, so every sum is exact in
 any order: results must equal the expected values bit for bit (0.0). Shapes are uneven and the
 ranks' tensors differ, so a concatenation in the wrong order or a missing sum cannot pass.
+
+tpedu's own operators (tpedu.tp.sequence_parallel) refuse to run while the learner's code does,
+so a wrapper or an alias of them fails.
 """
 
 import torch
 import torch.distributed as dist
 
 import tpedu
-from tests.exercises import parity_group
+from tests.exercises import parity_group, refusing
 from tests.helpers import calls
 from tpedu.comm.tracer import CommTracer
 from tpedu.course.grading import implementation
+from tpedu.tp import sequence_parallel as sp
 
 NAME = "l08_sp_ops"
+TWINS = (
+    sp.ScatterToSPRegion.forward,
+    sp.ScatterToSPRegion.backward,
+    sp.GatherFromSPRegion.forward,
+    sp.GatherFromSPRegion.backward,
+    sp.ReduceScatterToSPRegion.forward,
+    sp.ReduceScatterToSPRegion.backward,
+    sp.scatter_to_sp_region,
+    sp.gather_from_sp_region,
+    sp.reduce_scatter_to_sp_region,
+    sp.all_reduce_sequence_parallel_grads,
+)
 B, N, H = 2, 3, 5  # [b, s/t, H] per rank: s = 3t
 
 
@@ -39,6 +55,7 @@ def _check(worker, world_sizes=(2, 3)) -> None:
             assert not bad, f"world size {t}, rank {rank}: " + "; ".join(bad)
 
 
+@refusing(*TWINS)
 def _scatter_worker() -> list[str]:
     m = implementation(NAME)
     t, r = dist.get_world_size(), dist.get_rank()
@@ -58,6 +75,7 @@ def test_scatter_keeps_own_chunk_and_gathers_grads() -> None:
     _check(_scatter_worker)
 
 
+@refusing(*TWINS)
 def _gather_worker() -> list[str]:
     m = implementation(NAME)
     t, r = dist.get_world_size(), dist.get_rank()
@@ -86,6 +104,7 @@ def test_gather_all_gathers_and_reduce_scatters_grads() -> None:
     _check(_gather_worker)
 
 
+@refusing(*TWINS)
 def _reduce_scatter_worker() -> list[str]:
     m = implementation(NAME)
     t, r = dist.get_world_size(), dist.get_rank()
@@ -110,6 +129,7 @@ def test_reduce_scatter_sums_and_shards() -> None:
     _check(_reduce_scatter_worker)
 
 
+@refusing(*TWINS)
 def _dim_worker() -> list[str]:
     """The sequence dimension is an argument: dim 0 of a [s, b·H] tensor, dim -1 of [b, H, s],
     forward and backward (dim -1 of a 3-D tensor is not the default dim 1)."""
@@ -145,6 +165,7 @@ def test_any_sequence_dimension() -> None:
     _check(_dim_worker, (2, 3, 4))
 
 
+@refusing(*TWINS)
 def _group_worker() -> list[str]:
     m = implementation(NAME)
     rank = dist.get_rank()
@@ -184,6 +205,7 @@ def test_group_argument() -> None:
     _check(_group_worker, (4,))
 
 
+@refusing(*TWINS)
 def _grads_worker() -> list[str]:
     m = implementation(NAME)
     t, r = dist.get_world_size(), dist.get_rank()

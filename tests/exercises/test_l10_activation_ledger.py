@@ -1,18 +1,28 @@
 """Grades exercises/l10_activation_ledger.py: the saved-tensor byte counter and the formula.
 
 Byte counts are integers: compared exactly. Formula values are compared to 1e-12 relative (they
-are float sums of a few terms).
+are float sums of a few terms). tpedu's own counter and formula (tpedu.analysis.activation_memory,
+tpedu.analysis.memory) refuse to run while the tests do, so a wrapper or an alias of them fails.
 """
 
 import pytest
 import torch
 from torch import nn
 
+from tests.exercises import refusing
+from tpedu.analysis import activation_memory, memory
 from tpedu.course.grading import implementation
 
 NAME = "l10_activation_ledger"
+TWINS = (
+    activation_memory.saved_bytes,
+    activation_memory.SavedTensorCounter._pack,
+    activation_memory.paper_terms,
+    memory.activation_bytes_per_layer,
+)
 
 
+@refusing(*TWINS)
 def test_counter_counts_activations_not_parameters() -> None:
     m = implementation(NAME)
     torch.manual_seed(0)
@@ -31,6 +41,7 @@ def _chain(x: torch.Tensor) -> torch.Tensor:
     return z[:, 1:].sin()  # saves a view of z: z's whole storage
 
 
+@refusing(*TWINS)
 def test_each_storage_counts_once() -> None:
     m = implementation(NAME)
     x = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
@@ -43,6 +54,7 @@ def test_each_storage_counts_once() -> None:
     assert got32 * 2 == got, "float32 saves half the bytes of float64"
 
 
+@refusing(*TWINS)
 def test_views_of_one_buffer_count_once() -> None:
     m = implementation(NAME)
     qkv = torch.randn(2, 5, 9, requires_grad=True)
@@ -66,6 +78,7 @@ def _paper(s, b, h, a, t, sp, recompute):
 
 
 @pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+@refusing(*TWINS)
 def test_formula_rows(recompute: str) -> None:
     m = implementation(NAME)
     for s, b, h, a, t in [(2048, 4, 4096, 32, 1), (1000, 3, 960, 12, 3), (96, 5, 80, 10, 5)]:
@@ -78,6 +91,7 @@ def test_formula_rows(recompute: str) -> None:
             )
 
 
+@refusing(*TWINS)
 def test_formula_rejects_unknown_recompute() -> None:
     m = implementation(NAME)
     with pytest.raises(ValueError, match="recompute"):

@@ -5,18 +5,22 @@ must equal causal attention over the whole sequence computed at once. Each rank 
 tpedu.tp.attention.local_heads gives it: its share of the KV heads, or a replica of one when tp
 > n_kv_heads. float64: both are the same sums in a different order (~1e-16 relative; 1e-12
 asserted), while a wrong slot, a missing or extra key, or KV heads matched to the wrong query
-heads are off by order one."""
+heads are off by order one. tpedu's own cached attention (tpedu.tp.attention, tpedu.tp.kv_cache)
+refuses to run while the learner's decode does, so a wrapper or an alias of it fails."""
 
 import math
 
 import pytest
 import torch
 
+from tests.exercises import refusing
 from tpedu.course.grading import implementation
-from tpedu.tp.attention import local_heads
+from tpedu.tp.attention import ParallelAttention, local_heads
+from tpedu.tp.kv_cache import LayerCache
 
 NAME = "l17_kv_decode"
 B, S, D = 2, 7, 4
+TWINS = (ParallelAttention._cached_core, LayerCache.update)
 
 
 def _projections(heads, kv_heads, seed=0):
@@ -37,6 +41,7 @@ def _causal_attention(q, k, v):
     return out.transpose(1, 2).reshape(B, S, -1)
 
 
+@refusing(*TWINS)
 def _decode_on_ranks(heads, kv_heads, tp, capacity=S):
     """Every rank decodes positions 0 .. S-1 one at a time from an empty cache of its own KV
     heads; returns the outputs [b, S, heads·d] (ranks' heads side by side) and the caches."""
@@ -76,6 +81,7 @@ def test_each_rank_caches_its_own_kv_heads_at_their_positions(heads, kv_heads, t
         assert not ck[:, :, S:].any() and not cv[:, :, S:].any()  # unfilled slots untouched
 
 
+@refusing(*TWINS)
 def test_a_full_cache_is_a_value_error():
     decode = implementation(NAME).decode_attention
     q, k, v = _projections(2, 1)

@@ -10,21 +10,23 @@ checked too; an all-gather (the library's, or none traced at all) fails them. tp
 reference to it, so a wrapper or an alias of it fails too.
 """
 
-import contextlib
-
 import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
 import tpedu
-from tests.exercises import parity_group
+from tests.exercises import parity_group, refusing
 from tpedu.comm import recorder
 from tpedu.comm.recorder import Comm, Wait
 from tpedu.course.grading import implementation
-from tpedu.course.mutation import swapped_code
 from tpedu.tp import collective_matmul
 
 NAME = "l19_ring_allgather_matmul"
+TWINS = (
+    collective_matmul.ring_gather_apply,
+    collective_matmul.ring_reduce_scatter_apply,
+    collective_matmul.RingAllGatherLinear.forward,
+)
 B, N, H, OUT = 2, 3, 5, 4  # x [B, N, H] per rank: s = N·t; weight [OUT, H]
 MATMULS = {
     torch.matmul,
@@ -63,40 +65,13 @@ def _diff(got: torch.Tensor, want: torch.Tensor) -> list[str]:
     return [f"rows {rows} of the sequence differ from all_gather(x) @ weightᵀ"]
 
 
-TPEDUS_RING = "tpedu's own ring ran (tpedu.tp.collective_matmul): write the ring yourself"
-
-
-def _refuse(*args: object, **kwargs: object) -> None:
-    # Runs with the globals of the function it replaces: only builtins and a literal here.
-    raise RuntimeError("tpedu's own ring ran (tpedu.tp.collective_matmul): write the ring yourself")
-
-
-@contextlib.contextmanager
-def _tpedus_ring_refused():
-    """For the block, tpedu's ring functions raise wherever they are reached from."""
-    rings = (
-        collective_matmul.ring_gather_apply,
-        collective_matmul.ring_reduce_scatter_apply,
-        collective_matmul.RingAllGatherLinear.forward,
-    )
-    with contextlib.ExitStack() as stack:
-        for fn in rings:
-            stack.enter_context(swapped_code(fn, _refuse.__code__, None, None))
-        yield
-
-
+@refusing(*TWINS)
 def _values_worker() -> list[str]:
     m = implementation(NAME)
     t, r = dist.get_world_size(), dist.get_rank()
     shards = [ints(10 + q, (B, N, H)) for q in range(t)]
     weight = ints(99, (OUT, H))
-    try:
-        with _tpedus_ring_refused():
-            got = m.ring_all_gather_matmul(shards[r].clone(), weight)
-    except RuntimeError as e:
-        if str(e) == TPEDUS_RING:
-            return [TPEDUS_RING]
-        raise
+    got = m.ring_all_gather_matmul(shards[r].clone(), weight)
     return _diff(got, torch.cat(shards, dim=1) @ weight.T)
 
 
@@ -121,6 +96,7 @@ class _Matmuls(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+@refusing(*TWINS)
 def _ring_worker() -> list[str]:
     m = implementation(NAME)
     t, r = dist.get_world_size(), dist.get_rank()
@@ -152,6 +128,7 @@ def test_ring_sends_one_shard_right_each_step() -> None:
     _check(_ring_worker, (2, 3, 4))
 
 
+@refusing(*TWINS)
 def _overlap_worker() -> list[str]:
     m = implementation(NAME)
     t, r = dist.get_world_size(), dist.get_rank()
@@ -172,6 +149,7 @@ def test_each_shard_is_multiplied_while_the_next_travels() -> None:
     _check(_overlap_worker, (2, 3))
 
 
+@refusing(*TWINS)
 def _group_worker() -> list[str]:
     m = implementation(NAME)
     rank = dist.get_rank()
