@@ -21,7 +21,9 @@ file changed) and points the grader at it; the real exercises/ is never touched.
   function that ran (tests.exercises.refusing).
 """
 
+import importlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -32,6 +34,7 @@ import pytest
 import torch
 
 import tpedu
+from tests.exercises import refused
 from tpedu.comm.cost_model import AlphaBeta
 from tpedu.course import grading, proofs
 
@@ -523,14 +526,22 @@ def _twins():
     """(exercise, the learner's file: its stub with some functions replaced by tpedu's own
     twins, the graded test to run, its arguments, the twin whose refusal it must report)."""
     from tpedu.analysis import activation_memory, memory
-    from tpedu.comm import ring
-    from tpedu.comm.cost_model import AlphaBeta
+    from tpedu.comm import cost_model, ring
     from tpedu.cp import ring as cp_ring
     from tpedu.model import gpt, state
     from tpedu.moe import dispatch
     from tpedu.parallel import data_parallel, mesh, zero
     from tpedu.parallel.pipeline import schedules
-    from tpedu.tp import attention, collective_matmul, embedding, layers, matmul_split, operators
+    from tpedu.tp import (
+        attention,
+        collective_matmul,
+        embedding,
+        layers,
+        matmul_split,
+        operators,
+        overlap,
+        vocab_parallel,
+    )
     from tpedu.tp import sequence_parallel as sp
 
     return {
@@ -539,9 +550,9 @@ def _twins():
             _stub_with(
                 "l00_memory_ledger",
                 """
-            from tpedu.analysis.memory import embedding_bytes, training_bytes
-            from tpedu.analysis.shape import gpt_params
-            """,
+                from tpedu.analysis.memory import embedding_bytes, training_bytes
+                from tpedu.analysis.shape import gpt_params
+                """,
             ),
             "test_training_bytes_seed_and_real_adamw",
             (),
@@ -552,12 +563,12 @@ def _twins():
             _stub_with(
                 "l01_matmul_split",
                 """
-            from tpedu.tp import matmul_split
+                from tpedu.tp import matmul_split
 
 
-            def column_parallel_matmul(x, w, parts, matmul=torch.matmul):
-                return matmul_split.column_parallel_matmul(x, w, parts, matmul)
-            """,
+                def column_parallel_matmul(x, w, parts, matmul=torch.matmul):
+                    return matmul_split.column_parallel_matmul(x, w, parts, matmul)
+                """,
             ),
             "test_integer_valued_matrices_are_exact",
             (),
@@ -593,17 +604,33 @@ def _twins():
             (),
             layers.column_parallel_linear,
         ),
+        "l04-async": (
+            "l04_parallel_linear",
+            _stub_with(
+                "l04_parallel_linear",
+                """
+                    from tpedu.tp.overlap import linear_with_async_grad_all_reduce
+
+
+                    def column_parallel_linear(x, weight, bias, group=None, gather_output=False):
+                        return linear_with_async_grad_all_reduce(x, weight, bias, group)
+                    """,
+            ),
+            "test_column_forward",
+            (),
+            overlap.LinearWithAsyncGradAllreduce.forward,
+        ),
         "l05": (
             "l05_qkv_split",
             _stub_with(
                 "l05_qkv_split",
                 """
-            from tpedu.tp import attention
+                from tpedu.tp import attention
 
 
-            def local_heads(n_heads, n_kv_heads, tp, rank):
-                return attention.local_heads(n_heads, n_kv_heads, tp, rank)
-            """,
+                def local_heads(n_heads, n_kv_heads, tp, rank):
+                    return attention.local_heads(n_heads, n_kv_heads, tp, rank)
+                """,
             ),
             "test_local_heads",
             (),
@@ -615,6 +642,23 @@ def _twins():
             "test_vocab_range",
             (),
             embedding.vocab_range,
+        ),
+        "l06-loss": (
+            "l06_vocab_parallel_ce",
+            _stub_with(
+                "l06_vocab_parallel_ce",
+                """
+                    from tpedu.tp import vocab_parallel
+
+
+                    def vocab_parallel_cross_entropy(shard, target, vocab, group=None, ignore=-100):
+                        f = vocab_parallel._VocabParallelCrossEntropy
+                        return f.apply(shard, target, vocab, group, ignore)
+                    """,
+            ),
+            "test_ignore_index",
+            (),
+            vocab_parallel._VocabParallelCrossEntropy.forward,
         ),
         "l07": (
             "l07_tp_block",
@@ -648,6 +692,16 @@ def _twins():
             "test_counter_counts_activations_not_parameters",
             (),
             activation_memory.saved_bytes,
+        ),
+        "l10-formula": (
+            "l10_activation_ledger",
+            _stub_with(
+                "l10_activation_ledger",
+                "from tpedu.analysis.memory import activation_bytes_per_layer\n",
+            ),
+            "test_formula_rows",
+            ("selective",),
+            memory.activation_bytes_per_layer,
         ),
         "l11": (
             "l11_one_f_one_b",
@@ -700,33 +754,50 @@ def _twins():
             _stub_with(
                 "l15_alpha_beta",
                 """
-            from tpedu.comm.cost_model import AlphaBeta
+                from tpedu.comm import cost_model
 
 
-            def ring_all_reduce_seconds(nbytes, ranks, alpha, beta):
-                return AlphaBeta(alpha, beta).predict("all_reduce", nbytes, ranks)
-            """,
+                def ring_all_reduce_seconds(nbytes, ranks, alpha, beta):
+                    return AlphaBeta(alpha, beta).predict("all_reduce", nbytes, ranks)
+                """,
             ),
             "test_ring_all_reduce_by_hand",
             (),
-            AlphaBeta.predict,
+            cost_model.AlphaBeta.predict,
+        ),
+        "l15-fit": (
+            "l15_alpha_beta",
+            _stub_with(
+                "l15_alpha_beta",
+                """
+                    from tpedu.comm.cost_model import Sample, fit
+
+
+                    def fit_alpha_beta(sizes, seconds):
+                        ab = fit([Sample("send", int(n), 2, s) for n, s in zip(sizes, seconds)])
+                        return ab.alpha, ab.beta
+                    """,
+            ),
+            "test_fit_weighs_relative_error_like_the_cost_model",
+            (),
+            cost_model.fit,
         ),
         "l17": (
             "l17_kv_decode",
             _stub_with(
                 "l17_kv_decode",
                 """
-            from types import SimpleNamespace
+                from types import SimpleNamespace
 
-            from tpedu.tp.attention import ParallelAttention
+                from tpedu.tp.attention import ParallelAttention
 
 
-            def decode_attention(q, k, v, cache_k, cache_v, length):
-                cache_k[:, :, length], cache_v[:, :, length] = k[:, :, 0], v[:, :, 0]
-                keys, values = cache_k[:, :, : length + 1], cache_v[:, :, : length + 1]
-                core = ParallelAttention._cached_core
-                return core(SimpleNamespace(fused=True), q, keys, values, None), cache_k, cache_v
-            """,
+                def decode_attention(q, k, v, cache_k, cache_v, length):
+                    cache_k[:, :, length], cache_v[:, :, length] = k[:, :, 0], v[:, :, 0]
+                    keys, values = cache_k[:, :, : length + 1], cache_v[:, :, : length + 1]
+                    core = ParallelAttention._cached_core
+                    return core(SimpleNamespace(fused=True), q, keys, values, None), cache_k, cache_v
+                """,
             ),
             "test_decoding_token_by_token_equals_causal_attention",
             (4, 2, 2),
@@ -748,12 +819,12 @@ def _twins():
             _stub_with(
                 "l19_ring_allgather_matmul",
                 """
-            from tpedu.tp.collective_matmul import ring_all_gather_linear
+                from tpedu.tp.collective_matmul import ring_all_gather_linear
 
 
-            def ring_all_gather_matmul(x, weight, group=None):
-                return ring_all_gather_linear(x, [weight], [None], group)[0]
-            """,
+                def ring_all_gather_matmul(x, weight, group=None):
+                    return ring_all_gather_linear(x, [weight], [None], group)[0]
+                """,
             ),
             "test_ring_equals_the_gathered_matmul",
             (),
@@ -764,14 +835,14 @@ def _twins():
             _stub_with(
                 "l19_ring_allgather_matmul",
                 """
-            import torch.nn.functional as F
+                import torch.nn.functional as F
 
-            from tpedu.tp import collective_matmul as cm
+                from tpedu.tp import collective_matmul as cm
 
 
-            def ring_all_gather_matmul(x, weight, group=None):
-                return cm.ring_gather_apply(x, group, lambda c: [F.linear(c, weight)])[0]
-            """,
+                def ring_all_gather_matmul(x, weight, group=None):
+                    return cm.ring_gather_apply(x, group, lambda c: [F.linear(c, weight)])[0]
+                """,
             ),
             "test_ring_sends_one_shard_right_each_step",
             (),
@@ -788,11 +859,6 @@ def test_tpedus_own_twin_of_an_exercise_is_refused(course, monkeypatch, case):
     """The learner's file aliases or wraps tpedu's own twin of the exercise: the graded test
     fails, naming the tpedu function that ran. (The stubs' other functions still raise
     NotImplementedError; the test chosen needs only the ones replaced.)"""
-    import importlib
-    import re
-
-    from tests.exercises import refused
-
     name, mine, test, args, twin = TWINS[case]
     course(name, mine)
     monkeypatch.setenv("TPEDU_IMPL", "exercises")

@@ -6,8 +6,8 @@ products as the dense one, but CPU BLAS picks other kernels for other widths (a 
 the row layer's partial sums are added across ranks in another order (~1e-14). Any real mistake
 (wrong shard, missing sum, bias counted t times) is O(1).
 
-tpedu's own layers (tpedu.tp.layers) refuse to run while the learner's code does, so a wrapper
-or an alias of them fails.
+tpedu's own layers (tpedu.tp.layers, tpedu.tp.overlap) refuse to run while the learner's code
+does, so a wrapper or an alias of them fails.
 """
 
 import torch
@@ -19,7 +19,7 @@ from tests.exercises import parity_group, refusing
 from tests.helpers import calls, randn
 from tpedu.comm.tracer import CommTracer
 from tpedu.course.grading import implementation
-from tpedu.tp import layers
+from tpedu.tp import layers, overlap
 
 NAME = "l04_parallel_linear"
 TWINS = (
@@ -27,6 +27,8 @@ TWINS = (
     layers.row_parallel_linear,
     layers.ColumnParallelLinear.forward,
     layers.RowParallelLinear.forward,
+    overlap.LinearWithAsyncGradAllreduce.forward,  # lesson 15's column layer
+    overlap.LinearWithAsyncGradAllreduce.backward,
 )
 TOL = 1e-12
 BATCH = (3, 5)
