@@ -609,12 +609,12 @@ def _twins():
             _stub_with(
                 "l04_parallel_linear",
                 """
-                    from tpedu.tp.overlap import linear_with_async_grad_all_reduce
+                from tpedu.tp.overlap import linear_with_async_grad_all_reduce
 
 
-                    def column_parallel_linear(x, weight, bias, group=None, gather_output=False):
-                        return linear_with_async_grad_all_reduce(x, weight, bias, group)
-                    """,
+                def column_parallel_linear(x, weight, bias, group=None, gather_output=False):
+                    return linear_with_async_grad_all_reduce(x, weight, bias, group)
+                """,
             ),
             "test_column_forward",
             (),
@@ -648,13 +648,13 @@ def _twins():
             _stub_with(
                 "l06_vocab_parallel_ce",
                 """
-                    from tpedu.tp import vocab_parallel
+                from tpedu.tp import vocab_parallel
 
 
-                    def vocab_parallel_cross_entropy(shard, target, vocab, group=None, ignore=-100):
-                        f = vocab_parallel._VocabParallelCrossEntropy
-                        return f.apply(shard, target, vocab, group, ignore)
-                    """,
+                def vocab_parallel_cross_entropy(shard, target, vocab, group=None, ignore=-100):
+                    f = vocab_parallel._VocabParallelCrossEntropy
+                    return f.apply(shard, target, vocab, group, ignore)
+                """,
             ),
             "test_ignore_index",
             (),
@@ -754,7 +754,7 @@ def _twins():
             _stub_with(
                 "l15_alpha_beta",
                 """
-                from tpedu.comm import cost_model
+                from tpedu.comm.cost_model import AlphaBeta
 
 
                 def ring_all_reduce_seconds(nbytes, ranks, alpha, beta):
@@ -770,13 +770,13 @@ def _twins():
             _stub_with(
                 "l15_alpha_beta",
                 """
-                    from tpedu.comm.cost_model import Sample, fit
+                from tpedu.comm.cost_model import Sample, fit
 
 
-                    def fit_alpha_beta(sizes, seconds):
-                        ab = fit([Sample("send", int(n), 2, s) for n, s in zip(sizes, seconds)])
-                        return ab.alpha, ab.beta
-                    """,
+                def fit_alpha_beta(sizes, seconds):
+                    ab = fit([Sample("send", int(n), 2, s) for n, s in zip(sizes, seconds)])
+                    return ab.alpha, ab.beta
+                """,
             ),
             "test_fit_weighs_relative_error_like_the_cost_model",
             (),
