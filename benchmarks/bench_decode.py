@@ -43,7 +43,7 @@ from tpedu.comm import cost_model
 from tpedu.model import GPTConfig
 from tpedu.model.dense import DenseGPT
 from tpedu.model.gpt import TPGPT
-from tpedu.serve.generate import decode_step, generate_batch, pick, prefill
+from tpedu.serve.generate import Sampling, decode_step, generate_batch, pick, prefill
 from tpedu.tp.kv_cache import KVCache
 
 PROMPT = 16
@@ -60,7 +60,9 @@ def worker(config: GPTConfig, new: int, reps: int, prefill_len: int) -> dict[str
     runs = {}
 
     def run(use_cache: bool) -> None:
-        runs[use_cache] = generate_batch(model, prompt, new, greedy=True, use_cache=use_cache)
+        runs[use_cache] = generate_batch(
+            model, prompt, new, Sampling(greedy=True), use_cache=use_cache
+        )
 
     t = interleaved({"cache": lambda: run(True), "recompute": lambda: run(False)}, reps, 1)
     long = [torch.randint(0, config.vocab_size, (prefill_len,), generator=g).tolist()]

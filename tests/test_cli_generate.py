@@ -13,6 +13,7 @@ from tests.helpers import (
 )
 from tpedu import launch
 from tpedu.data.corpus import novel_data
+from tpedu.serve.generate import Sampling
 from tpedu.train.generate import generate
 
 
@@ -37,7 +38,7 @@ def test_a_batch_of_prompts_prints_each_continuation_on_its_line(model_dir, tmp_
         assert code == 0, err
         outputs.append(out.strip().splitlines()[-2:])
     alone = [
-        tok.decode(launch(generate, 1, config, state, tok.encode(p), 6, greedy=True)[0])
+        tok.decode(launch(generate, 1, config, state, tok.encode(p), 6, Sampling(greedy=True))[0])
         for p in prompts
     ]
     expected = [text.replace("\n", "⏎") for text in alone]

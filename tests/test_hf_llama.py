@@ -221,11 +221,11 @@ def test_llama_checkpoint_exports_to_a_transformers_directory(tmp_path):
 
 
 def _greedy(config, state, prompts, steps):
-    from tpedu.serve.generate import generate_batch
+    from tpedu.serve.generate import Sampling, generate_batch
 
     torch.set_default_dtype(torch.float64)
     model = TPGPT.from_state_dict(config, state).eval()
-    return generate_batch(model, prompts, steps, greedy=True)
+    return generate_batch(model, prompts, steps, Sampling(greedy=True))
 
 
 @pytest.mark.parametrize("tp", [1, 4])

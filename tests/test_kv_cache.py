@@ -15,7 +15,7 @@ from tpedu.model.config import GPTConfig
 from tpedu.model.dense import DenseGPT
 from tpedu.model.gpt import TPGPT
 from tpedu.model.options import RunOptions
-from tpedu.serve.generate import decode_step, generate_batch, pick, prefill, stream
+from tpedu.serve.generate import Sampling, decode_step, generate_batch, pick, prefill, stream
 from tpedu.tp.kv_cache import KVCache, check_cache_usable
 from tpedu.tp.vocab_parallel import gather_logits
 
@@ -103,13 +103,16 @@ def batch_vs_alone(name, steps=5):
         for j in range(len(PROMPTS))
     )
     max_new = [6, 9, 3]  # a length per sequence: the batch shrinks as they finish
-    runs = generate_batch(model, PROMPTS, max_new, greedy=True)
+    runs = generate_batch(model, PROMPTS, max_new, Sampling(greedy=True))
     singles = [
-        generate_batch(model, [p], m, greedy=True)[0] for p, m in zip(PROMPTS, max_new, strict=True)
+        generate_batch(model, [p], m, Sampling(greedy=True))[0]
+        for p, m in zip(PROMPTS, max_new, strict=True)
     ]
     stop = runs[1][len(PROMPTS[1]) + 2]  # the third token sequence 1 generates
-    stopped = generate_batch(model, PROMPTS, 9, greedy=True, stop_tokens=[None, stop, None])
-    steps_seen = [sorted(new) for new in stream(model, PROMPTS, max_new, greedy=True)]
+    stopped = generate_batch(
+        model, PROMPTS, 9, Sampling(greedy=True), stop_tokens=[None, stop, None]
+    )
+    steps_seen = [sorted(new) for new in stream(model, PROMPTS, max_new, Sampling(greedy=True))]
     return diff, runs, singles, stop, stopped, steps_seen
 
 
@@ -131,7 +134,7 @@ def train_generate(config, state, prompt, n, use_cache):
     from tpedu.train.generate import generate
 
     return generate(
-        config, state, prompt, n, temperature=0.8, top_k=10, seed=3, use_cache=use_cache
+        config, state, prompt, n, Sampling(temperature=0.8, top_k=10, seed=3), use_cache
     )
 
 
@@ -172,7 +175,7 @@ def hf_greedy(prompts, steps, tp):
 
 def _hf_worker(config, state, prompts, steps):
     model = TPGPT.from_state_dict(config, state).double().eval()
-    return generate_batch(model, prompts, steps, greedy=True)
+    return generate_batch(model, prompts, steps, Sampling(greedy=True))
 
 
 @pytest.mark.parametrize("tp", [1, 2])

@@ -316,6 +316,7 @@ def _reshard(args: argparse.Namespace) -> int:
 
 def _generate(args: argparse.Namespace) -> int:
     from tpedu.checkpoint.convert import load_model_info
+    from tpedu.serve.generate import Sampling
     from tpedu.train.generate import generate_prompts
 
     try:  # every file checked here; the ranks read only their own slices of the weights
@@ -344,14 +345,13 @@ def _generate(args: argparse.Namespace) -> int:
         str(args.model),
         prompts,
         args.max_new_tokens,
-        args.temperature,
-        args.top_k,
-        args.seed,
+        Sampling(
+            temperature=args.temperature, top_k=args.top_k, greedy=args.greedy, seed=args.seed
+        ),
+        not args.no_cache,
         backend=args.backend,
         timeout=None,
         collective_timeout=args.timeout,
-        use_cache=not args.no_cache,
-        greedy=args.greedy,
     )
     if int(os.environ.get("RANK", "0")) == 0:
         if args.prompts is None:

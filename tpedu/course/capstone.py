@@ -57,7 +57,7 @@ from tpedu.model.dense import DenseGPT
 from tpedu.model.gpt import TPGPT
 from tpedu.parallel.config import ParallelConfig
 from tpedu.parallel.mesh import Mesh
-from tpedu.serve.generate import generate_batch
+from tpedu.serve.generate import Sampling, generate_batch
 from tpedu.train.config import TrainConfig
 from tpedu.train.step import build_step, stage_chunks
 
@@ -238,12 +238,13 @@ def write_choice(
 def _serve(config: GPTConfig, path: str, prompt: list[int], new: int, sampling: dict) -> list:
     model = TPGPT(DenseGPT(config)).to(device())  # this rank's shards, overwritten by load
     checkpoint.load(path, model)  # any saved layout -> this rank's shards
-    return generate_batch(model.eval(), [prompt], new, **sampling)[0]
+    return generate_batch(model.eval(), [prompt], new, Sampling(**sampling))[0]
 
 
 def serve(path: str | Path, prompt: list[int], new: int, tp: int = 1, **sampling: object) -> list:
     """prompt + `new` tokens generated with the KV cache by `tp` ranks, each loading its shards
-    of the checkpoint `path`; `sampling`: stream's (greedy, temperature, top_k, seed)."""
+    of the checkpoint `path`; `sampling`: a Sampling's fields (greedy, temperature, top_k, seed),
+    as generated.json records them."""
     config = checkpoint.read_config(path)
     return launch(_serve, tp, config, str(path), list(prompt), new, dict(sampling))[0]
 

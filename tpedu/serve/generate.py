@@ -6,6 +6,8 @@ sequence per step, on every rank of the TP group (the same ids everywhere).
     decode_step  the b newest tokens [b] -> logits [b, Vp/t]: one forward of b tokens
     stream       a generator: yields {sequence: new token} after every step (a live view)
     generate_batch  the finished sequences, prompt + continuation
+    Sampling     how each next token is chosen (temperature, top_k, greedy, seed): stream's,
+                 generate_batch's and tpedu.train.generate's
 
 Sequences of different lengths keep their own lengths in the cache (no left padding): slot j
 holds position j, so every sequence sees exactly the positions and keys it would alone, and a
@@ -30,12 +32,25 @@ cache itself never moves: each rank attends over its own heads' keys and values.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 
 from tpedu.model.gpt import TPGPT
 from tpedu.tp.kv_cache import KVCache
 from tpedu.tp.vocab_parallel import sample, vocab_parallel_sample
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How each next token is chosen, the same on every rank. greedy=True (or temperature 0):
+    the argmax; otherwise Gumbel-max sampling at `temperature` among the `top_k` largest logits
+    (None: all), its noise from a CPU generator seeded with `seed`."""
+
+    temperature: float = 0.8
+    top_k: int | None = 50
+    greedy: bool = False
+    seed: int = 0
 
 
 def pad_right(
@@ -114,12 +129,12 @@ def check_request(
     model: TPGPT,
     prompts: Sequence[Sequence[int]],
     max_new: list[int],
-    temperature: float,
-    top_k: int | None,
+    sampling: Sampling,
     use_cache: bool,
 ) -> None:
     """ValueErrors naming the problem and the fix, before anything runs."""
     vocab, seq_len = model.config.vocab_size, model.config.seq_len
+    temperature, top_k = sampling.temperature, sampling.top_k
     if not prompts:
         raise ValueError("no prompts: give at least one list of token ids")
     for i, q in enumerate(prompts):
@@ -150,32 +165,28 @@ def stream(
     model: TPGPT,
     prompts: Sequence[Sequence[int]],
     max_new_tokens: int | Sequence[int] = 100,
+    sampling: Sampling = Sampling(),
     *,
-    temperature: float = 0.8,
-    top_k: int | None = 50,
-    greedy: bool = False,
     stop_tokens: int | None | Sequence[int | None] = None,
-    seed: int = 0,
     use_cache: bool = True,
 ) -> Iterator[dict[int, int]]:
     """Generate for every prompt at once; after each step yield {prompt index: its new token}
     for the sequences still running (a live view, e.g. a notebook widget).
 
     max_new_tokens and stop_tokens: one for all, or one per prompt; a sequence stops after its
-    stop token (which it keeps) or its max_new_tokens. greedy=True (or temperature 0): the
-    argmax. The same `seed` on every rank gives every rank the same tokens.
+    stop token (which it keeps) or its max_new_tokens. `sampling`: how each token is chosen;
+    the same Sampling (its seed) on every rank gives every rank the same tokens.
     use_cache=False: recompute every sequence's window each step (no KV cache; the window
     slides past the context length instead of refusing it).
-
-    Many parameters because they are the sampling settings of transformers' `generate`.
     """
     model.eval()
     b = len(prompts)
     max_new = _per_sequence(max_new_tokens, b, "max_new_tokens")
     stops = _per_sequence(stop_tokens, b, "stop_tokens")
-    check_request(model, prompts, max_new, temperature, top_k, use_cache)
-    temperature = 0.0 if greedy else temperature
-    gen = torch.Generator().manual_seed(seed)  # CPU noise: the same tokens on CPU and CUDA ranks
+    check_request(model, prompts, max_new, sampling, use_cache)
+    temperature = 0.0 if sampling.greedy else sampling.temperature
+    # CPU noise: the same tokens on CPU and CUDA ranks
+    gen = torch.Generator().manual_seed(sampling.seed)
     seqs = [list(q) for q in prompts]
     active = [i for i in range(b) if max_new[i] > 0]
     if not active:
@@ -189,7 +200,7 @@ def stream(
     else:
         logits = recompute_logits(model, [seqs[i] for i in active])
     while True:
-        tokens = pick(model, logits, gen, temperature, top_k)
+        tokens = pick(model, logits, gen, temperature, sampling.top_k)
         new, keep = {}, []
         for j, (i, t) in enumerate(zip(active, tokens.tolist(), strict=True)):
             seqs[i].append(t)
@@ -214,12 +225,18 @@ def generate_batch(
     model: TPGPT,
     prompts: Sequence[Sequence[int]],
     max_new_tokens: int | Sequence[int] = 100,
-    **options: object,
+    sampling: Sampling = Sampling(),
+    *,
+    stop_tokens: int | None | Sequence[int | None] = None,
+    use_cache: bool = True,
 ) -> list[list[int]]:
-    """Each prompt followed by its generated tokens (every rank returns the same lists).
-    `options`: stream's (temperature, top_k, greedy, stop_tokens, seed, use_cache)."""
+    """Each prompt followed by its generated tokens (every rank returns the same lists);
+    the arguments are stream's."""
     out = [list(q) for q in prompts]
-    for new in stream(model, prompts, max_new_tokens, **options):
+    steps = stream(
+        model, prompts, max_new_tokens, sampling, stop_tokens=stop_tokens, use_cache=use_cache
+    )
+    for new in steps:
         for i, t in new.items():
             out[i].append(t)
     return out

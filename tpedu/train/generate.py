@@ -1,13 +1,13 @@
 """Lesson 07: generate text with a trained tensor-parallel GPT, the same ids on every rank.
 
 `generate(config, state, prompt_ids, ...)` builds a TPGPT from a dense state dict and continues
-the prompt with tpedu.vocab_parallel's sampler (temperature, top-k, or greedy), never from one
-shard's logits alone. By default it keeps a KV cache sharded by heads (tpedu.serve): each new
-token costs one forward of that token only. `use_cache=False` reruns the whole window for every
-token instead, sliding it once the text is longer than the context. `generate_prompts` does the
-same for several prompts at once. The model runs plain tensor parallelism: what only training
-needs (sequence parallelism, recompute, overlap) lives in a ParallelConfig, which generation
-does not take.
+the prompt with tpedu.vocab_parallel's sampler (temperature, top-k, or greedy: a
+tpedu.serve.generate.Sampling), never from one shard's logits alone. By default it keeps a KV
+cache sharded by heads (tpedu.serve): each new token costs one forward of that token only.
+`use_cache=False` reruns the whole window for every token instead, sliding it once the text is
+longer than the context. `generate_prompts` does the same for several prompts at once. The
+model runs plain tensor parallelism: what only training needs (sequence parallelism, recompute,
+overlap) lives in a ParallelConfig, which generation does not take.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from tpedu.checkpoint.convert import load_sharded_model
 from tpedu.comm.device import device
 from tpedu.model.config import GPTConfig
 from tpedu.model.gpt import TPGPT
-from tpedu.serve.generate import generate_batch
+from tpedu.serve.generate import Sampling, generate_batch
 
 
 def load_for_generation(config: GPTConfig, state: dict[str, torch.Tensor] | str | Path) -> TPGPT:
@@ -41,29 +41,15 @@ def generate_prompts(
     state: dict[str, torch.Tensor] | str | Path,
     prompts: Sequence[Sequence[int]],
     max_new_tokens: int,
-    temperature: float = 0.8,
-    top_k: int | None = 50,
-    seed: int = 0,
+    sampling: Sampling = Sampling(),
     use_cache: bool = True,
-    greedy: bool = False,
     stop_token: int | None = None,
 ) -> list[list[int]]:
     """Continue every prompt, as one batch (tpedu.serve.generate.generate_batch); every rank
-    returns the same lists, each prompt followed by its new tokens.
-
-    Many parameters because they are the sampling settings of transformers' `generate`.
-    """
+    returns the same lists, each prompt followed by its new tokens."""
     model = load_for_generation(config, state)
     return generate_batch(
-        model,
-        prompts,
-        max_new_tokens,
-        temperature=temperature,
-        top_k=top_k,
-        seed=seed,
-        use_cache=use_cache,
-        greedy=greedy,
-        stop_tokens=stop_token,
+        model, prompts, max_new_tokens, sampling, stop_tokens=stop_token, use_cache=use_cache
     )
 
 
@@ -72,22 +58,15 @@ def generate(
     state: dict[str, torch.Tensor] | str | Path,
     prompt_ids: list[int],
     max_new_tokens: int,
-    temperature: float = 0.8,
-    top_k: int | None = 50,
-    seed: int = 0,
+    sampling: Sampling = Sampling(),
     use_cache: bool = True,
-    greedy: bool = False,
 ) -> list[int]:
     """Continue `prompt_ids` on every rank of the TP group; every rank returns the same ids.
 
     Sampling never looks at one shard's logits alone (that picks the wrong token): it uses the
-    vocab-parallel sampler, with the same generator seed on every rank; the noise comes from a
-    CPU generator on every backend, so a tp=1 run on a GPU and a tp=2 run on CPU ranks draw the
-    same noise (the text then differs only where the logits' rounding does). With the cache
+    vocab-parallel sampler, with the same `sampling` (its seed) on every rank; the noise comes
+    from a CPU generator on every backend, so a tp=1 run on a GPU and a tp=2 run on CPU ranks
+    draw the same noise (the text then differs only where the logits' rounding does). With the cache
     (default) the prompt plus the new tokens must fit the context length config.seq_len.
-
-    Many parameters because they are the sampling settings of transformers' `generate`.
     """
-    return generate_prompts(
-        config, state, [prompt_ids], max_new_tokens, temperature, top_k, seed, use_cache, greedy
-    )[0]
+    return generate_prompts(config, state, [prompt_ids], max_new_tokens, sampling, use_cache)[0]
