@@ -39,7 +39,10 @@ def test_param_count_equals_real_model(config):
     assert config.n_params == real, f"formula {config.n_params} vs real {real}"
     # gpt_params's defaults are the GPT-2 block: 12h² + 13h per layer.
     h = 40
-    assert gpt_params(3, h, 11, 5) - gpt_params(2, h, 11, 5) == 12 * h * h + 13 * h
+    two, three = (
+        ModelShape(n_layers=n, hidden=h, n_heads=4, vocab_size=11, seq_len=5) for n in (2, 3)
+    )
+    assert gpt_params(three) - gpt_params(two) == 12 * h * h + 13 * h
     # With no parallelism the ledger holds every parameter exactly once.
     assert ledger(config).params == real
 

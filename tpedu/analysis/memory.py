@@ -34,7 +34,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from tpedu.analysis.shape import ModelShape, embedding_params, layer_params
-from tpedu.analysis.shape import gpt_params as gpt_params  # re-exported: lesson 00's exercise
+from tpedu.analysis.shape import gpt_params as gpt_params  # re-exported: lesson 00 counts with it
 from tpedu.model.config import RECOMPUTE
 from tpedu.tp.sharding import divisors
 

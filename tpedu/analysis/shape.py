@@ -56,37 +56,24 @@ def layer_params(hidden: int, ffn_hidden: int, kv_dim: int, bias: bool) -> tuple
     return matrices + column_biases, replicated
 
 
-def gpt_params(
-    n_layers: int,
-    hidden: int,
-    vocab: int,
-    seq_len: int,
-    ffn_hidden: int | None = None,
-    heads: int | None = None,
-    kv_heads: int | None = None,
-    tied_embeddings: bool = True,
-    bias: bool = True,
-) -> int:
-    """Exact parameter count of a GPT-2-style decoder (pre-LayerNorm, GELU MLP).
+def gpt_params(shape: ModelShape) -> int:
+    """Exact parameter count of a GPT-2-style decoder (pre-LayerNorm, GELU MLP) of `shape`.
 
-    Per layer (ffn_hidden = 4h, kv_heads = heads, bias=True): 12h² + 13h, i.e.
+    Per layer (ffn_hidden = 4h, n_kv_heads = n_heads, bias=True): 12h² + 13h, i.e.
     Q, K, V, out-proj 4h² + 4h; fc1, fc2 8h² + 5h; two LayerNorms 4h.
     Plus: V·h token embeddings, s·h learned positions (seq_len=0: none, e.g. RoPE), a final
-    LayerNorm (2h, or h without bias), and an untied [V, h] LM head when tied_embeddings=False.
-    Grouped-query attention: K and V have kv_heads · (h / heads) outputs each.
+    LayerNorm (2h, or h without bias), and an untied [V, h] LM head when tie_embeddings=False.
+    Grouped-query attention: K and V have kv_heads · (h / n_heads) outputs each.
     bias=False drops every Linear bias and the LayerNorm biases (nanoGPT's convention).
-    (Lesson 00's exercise; its arguments are the exercise's. `ModelShape.n_params` calls it.)
-
-    Many parameters because they are the closed form's own variables.
+    (Lesson 00's exercise writes it out with one argument per field. `ModelShape.n_params`
+    calls it.)
     """
-    ffn_hidden = 4 * hidden if ffn_hidden is None else ffn_hidden
-    heads = heads or 1
-    kv_heads = heads if kv_heads is None else kv_heads
-    kv_dim = kv_heads * (hidden // heads)
-    sharded, replicated = layer_params(hidden, ffn_hidden, kv_dim, bias)
-    embeddings = embedding_params(vocab, hidden) * (1 if tied_embeddings else 2)
-    final_norm = 2 * hidden if bias else hidden
-    return n_layers * (sharded + replicated) + embeddings + seq_len * hidden + final_norm
+    h = shape.hidden
+    kv_dim = shape.kv_heads * (h // shape.n_heads)
+    sharded, replicated = layer_params(h, shape.ffn, kv_dim, shape.bias)
+    embeddings = embedding_params(shape.vocab_size, h) * (1 if shape.tie_embeddings else 2)
+    final_norm = 2 * h if shape.bias else h
+    return shape.n_layers * (sharded + replicated) + embeddings + shape.seq_len * h + final_norm
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -153,17 +140,7 @@ class ModelShape(Widths):
     @property
     def n_params(self) -> int:
         """Exact parameter count (see gpt_params)."""
-        return gpt_params(
-            self.n_layers,
-            self.hidden,
-            self.vocab_size,
-            self.seq_len,
-            self.ffn_hidden,
-            self.n_heads,
-            self.n_kv_heads,
-            self.tie_embeddings,
-            self.bias,
-        )
+        return gpt_params(self)
 
     def with_params(self, n_params: float) -> ModelShape:
         """The same shape family scaled to about `n_params`: n_layers = params / (12h² + 13h)."""
