@@ -170,8 +170,8 @@ def _vs_dense(
     training: bool = False,
     options: RunOptions | None = None,
 ) -> tuple[bool, str]:
-    ids, tgt = example_batch(config, seed)
-    cmp = compare_with_dense(config, group, ids, tgt, training=training, options=options)
+    batch = example_batch(config, seed)
+    cmp = compare_with_dense(config, group, batch, training=training, options=options)
     return cmp.ok, cmp.summary()
 
 

@@ -46,6 +46,7 @@ from tpedu.course.troubleshoot import compare_with_dense
 from tpedu.launcher import launch
 from tpedu.model import TPGPT, DenseGPT, GPTConfig
 from tpedu.parallel.config import ParallelConfig
+from tpedu.serve.generate import Sampling
 from tpedu.train.config import TrainConfig
 from tpedu.train.generate import generate
 from tpedu.train.loop import train
@@ -76,8 +77,7 @@ def _first_losses(dtype: str, steps: int = 3) -> list[float]:
 
 
 def _tp_equals_dense() -> str:
-    ids, tgt = _batch(SMALL, 3)
-    cmp = compare_with_dense(SMALL, None, ids, tgt)  # float64: the same-arithmetic claim
+    cmp = compare_with_dense(SMALL, None, _batch(SMALL, 3))  # float64: the same-arithmetic claim
     name, diff = cmp.worst
     if not cmp.ok:
         raise AssertionError(f"worst gradient {name} differs by {diff:.1e}")
@@ -87,7 +87,7 @@ def _tp_equals_dense() -> str:
 def _generate_and_checkpoint(root: str) -> str:
     torch.manual_seed(0)
     state = DenseGPT(SMALL).state_dict()
-    ids = generate(SMALL, state, [1, 2, 3], 8, top_k=5)
+    ids = generate(SMALL, state, [1, 2, 3], 8, Sampling(top_k=5))
     model = TPGPT.from_state_dict(SMALL, state).to(device())
     checkpoint.save(root, model, None, 1)
     back = TPGPT(DenseGPT(SMALL)).to(device())

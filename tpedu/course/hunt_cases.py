@@ -124,7 +124,7 @@ def train_curves(
 
 
 def _step0(config: object, group: object = None, seed: int = 1) -> str:
-    return compare_with_dense(config, group, *bugzoo.example_batch(config, seed)).summary()
+    return compare_with_dense(config, group, bugzoo.example_batch(config, seed)).summary()
 
 
 def _see_gqa() -> Observation:
@@ -187,7 +187,7 @@ def _see_mesh() -> Observation:
 
 def _see_gradients() -> Observation:
     c = bugzoo.GPT2
-    cmp = compare_with_dense(c, None, *bugzoo.example_batch(c))
+    cmp = compare_with_dense(c, None, bugzoo.example_batch(c))
     bad = sum(d > 1e-9 for d in cmp.grad_diff.values())
     text = (
         f"  tp=2 vs tp=1, step 0: {cmp.summary()}\n"

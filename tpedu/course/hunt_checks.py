@@ -55,8 +55,7 @@ def _guarded(run: Callable[[], tuple[bool, str]]) -> tuple[bool, str]:
 
 
 def _vs_dense(config: object, group: object = None, seed: int = 1, **batch: int) -> tuple:
-    ids, tgt = bugzoo.example_batch(config, seed, **batch)
-    cmp = compare_with_dense(config, group, ids, tgt)
+    cmp = compare_with_dense(config, group, bugzoo.example_batch(config, seed, **batch))
     return cmp.ok, cmp.summary()
 
 

@@ -7,7 +7,7 @@ the f that lost it; unsynchronised SP norms: only the norms), so the per-paramet
 points at the layer to read. In float64 a correct TP model agrees with dense to ~1e-15 relative;
 anything above ~1e-9 is a bug, not rounding.
 
-    cmp = compare_with_dense(config, group, ids, targets)    # on every rank of the TP group
+    cmp = compare_with_dense(config, group, (ids, targets))  # on every rank of the TP group
     print(cmp.table())                                        # per-parameter gradient norms
     cmp.ok                                                    # loss and grads within tolerance
 
@@ -98,8 +98,7 @@ def summary(loss_diff: float, name: str, worst: float, tol: float = TOLERANCE) -
 def compare_with_dense(
     config: object,
     group: dist.ProcessGroup | None,
-    ids: torch.Tensor,
-    targets: torch.Tensor,
+    batch: tuple[torch.Tensor, torch.Tensor],
     step: int = 0,
     training: bool = False,
     seed: int = 0,
@@ -108,14 +107,12 @@ def compare_with_dense(
 ) -> Comparison:
     """One forward+backward of DenseGPT and TPGPT (built from it) on the same batch; compare.
 
-    Collective: call on every rank of `group`. ids, targets [b, s], the same on the group's
-    ranks. `training=True` turns dropout on (the TP masks must equal the dense ones);
-    `options`: TPGPT's (e.g. RunOptions(sequence_parallel=True)). Runs
-    `sync_grads()` as a training step does, then gathers the TP gradients into the dense layout
-    (all-gathers) and compares each parameter's gradient with the dense one.
-
-    Many parameters because the batch, step, dropout, seed, dtype and run options are the
-    comparison's own variables.
+    Collective: call on every rank of `group`. batch: (ids, targets), each [b, s], the same on
+    the group's ranks. `training=True` turns dropout on (the TP masks must equal the dense
+    ones; `step` picks them); `seed` initialises the dense model, run in `dtype`; `options`:
+    TPGPT's (e.g. RunOptions(sequence_parallel=True)). Runs `sync_grads()` as a training step
+    does, then gathers the TP gradients into the dense layout (all-gathers) and compares each
+    parameter's gradient with the dense one.
     """
     torch.manual_seed(seed)
     dense = DenseGPT(config).to(dtype)
@@ -125,7 +122,7 @@ def compare_with_dense(
     dev = device()  # built on the CPU (same init on every rank), run on this rank's device
     dense.to(dev)
     model.to(dev)
-    ids, targets = ids.to(dev), targets.to(dev)
+    ids, targets = (t.to(dev) for t in batch)
     loss_d = dense(ids, targets, step=step)
     loss_d.backward()
     loss_t = model(ids, targets, step=step)
@@ -209,11 +206,11 @@ tiny loss gap (1e-7 fp32, 1e-3 bf16)        reduction order: NOT a bug          
 def reduction_order_gap(
     config: object,
     group: dist.ProcessGroup | None,
-    ids: torch.Tensor,
-    targets: torch.Tensor,
+    batch: tuple[torch.Tensor, torch.Tensor],
     dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16),
 ) -> dict[str, tuple[float, float]]:
-    """{dtype: (|dense - float64| / |float64|, |tp - dense| / |float64|)} for the loss.
+    """{dtype: (|dense - float64| / |float64|, |tp - dense| / |float64|)} for the loss of
+    batch = (ids, targets).
 
     Collective over `group`. Answers "is my loss difference a bug?" (Megatron-LM #1736): a
     correct TP model differs from the dense one by about as much as the dense one differs from
@@ -222,7 +219,7 @@ def reduction_order_gap(
     torch.manual_seed(0)
     dense = DenseGPT(config)
     dev = device()
-    ids, targets = ids.to(dev), targets.to(dev)
+    ids, targets = (t.to(dev) for t in batch)
     with torch.no_grad():
         exact = DenseGPT(config).double()
         exact.load_state_dict(dense.state_dict())
