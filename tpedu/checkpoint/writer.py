@@ -162,7 +162,6 @@ def save(
     opt: object | None,
     step: int,
     *,
-    mesh: object | None = None,
     parallel: ParallelConfig | None = None,
     train_cfg: object | None = None,
     tok: object | None = None,
@@ -171,34 +170,33 @@ def save(
     """Save this step's checkpoint under `root` from every rank of the world. Collective.
 
     model: this rank's TPGPT (or its pipeline chunks); opt: its AdamW, its ShardedDataParallel
-    (ZeRO) or None; mesh: the run's tpedu.parallel.mesh.Mesh (None: one TP group, a model
-    saved outside train); parallel: the run's ParallelConfig, stored in the index (None:
-    plain TP over the model's group, its sequence parallelism as built); scaler: the fp16
-    LossScaler, whose state the index keeps ("loss_scaler"). Returns root/step_N.
+    (ZeRO) or None; parallel: the run's ParallelConfig, stored in the index, whose layout
+    places this rank (its Mesh's coordinates); None: one TP group, a model saved outside
+    train, plain TP over the model's group with its sequence parallelism as built; train_cfg
+    and tok: the run's TrainConfig and tokenizer; scaler: the fp16 LossScaler, whose state the
+    index keeps ("loss_scaler"). Returns root/step_N.
     3 tiny all-reduces (barriers that also carry failures: one rank's error makes every rank
     raise, and `latest` does not move).
-
-    Many parameters because a checkpoint holds that many separate things (model, optimizer,
-    step, layout, train config, tokenizer, loss scaler); past the first four all are optional.
     """
     root = Path(root)
     chunks = [model] if isinstance(model, nn.Module) else list(model)
-    config = chunks[0].config
-    if mesh is None:  # one TP (and CP) group
-        cp = chunks[0].cp_group if chunks[0].cp > 1 else None
-        layout = Layout(tp=dist.get_world_size(chunks[0].group), cp=chunks[0].cp)
-        cp_rank = dist.get_rank(cp) if cp is not None else 0
-        coords = layout.coords(layout.rank(tp=dist.get_rank(chunks[0].group), cp=cp_rank))
-    else:
-        layout, coords = mesh.layout, mesh.coords
-    if parallel is None:
-        sp = chunks[0].sequence_parallel
+    first, config = chunks[0], chunks[0].config
+    tp, cp = dist.get_world_size(first.group), first.cp
+    if parallel is None:  # one TP (and CP) group
+        layout = Layout(tp=tp, cp=cp)
+        cp_rank = dist.get_rank(first.cp_group) if cp > 1 else 0
+        coords = layout.coords(layout.rank(tp=dist.get_rank(first.group), cp=cp_rank))
+        sp = first.sequence_parallel
         parallel = ParallelConfig(**layout.sizes, chunks=len(chunks), sequence_parallel=sp)
-    if parallel.layout != layout or parallel.chunks != len(chunks):
-        raise ValueError(
-            f"parallel says {parallel.layout} with chunks={parallel.chunks}, the ranks run "
-            f"{layout} with {len(chunks)} chunks; pass the ParallelConfig the model was built with"
-        )
+    else:  # the ranks of parallel's layout, as a Mesh of it places them
+        layout, world = parallel.layout, dist.get_world_size()
+        if (layout.tp, layout.cp, layout.world, parallel.chunks) != (tp, cp, world, len(chunks)):
+            raise ValueError(
+                f"parallel says {layout} with chunks={parallel.chunks}, the ranks run "
+                f"{_ranks_layout(tp, cp, parallel.pp)} with {len(chunks)} chunks; pass the "
+                "ParallelConfig the model was built with"
+            )
+        coords = layout.coords(dist.get_rank())
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     tmp = Path(root) / f".tmp-{step_name(step)}"
     error: BaseException | None = None
@@ -227,6 +225,12 @@ def save(
         error = e
     agree(error, f"finalizing {final}")
     return final
+
+
+def _ranks_layout(tp: int, cp: int, pp: int) -> Layout:
+    """The layout the world's ranks run as far as this rank sees it (for an error message): its
+    model's TP and CP group sizes, `pp` stages, and as many replicas as the world holds."""
+    return Layout(tp=tp, pp=pp, dp=max(1, dist.get_world_size() // (tp * cp * pp)), cp=cp)
 
 
 def _rank_tensors(

@@ -123,7 +123,7 @@ def train(
         one_step,
         evaluate=lambda: evaluate(step, val_ids, cfg),
         save=lambda k: save_if_due(
-            cfg, k, chunks, step.opt, mesh=mesh, parallel=parallel, tok=tok, scaler=step.scaler
+            cfg, k, chunks, step.opt, parallel=parallel, tok=tok, scaler=step.scaler
         ),
     )
     summary = _summary(config, parallel, cfg, step, losses, history, seconds)
