@@ -243,8 +243,7 @@ def _serve(config: GPTConfig, path: str, prompt: list[int], new: int, sampling: 
 
 def serve(path: str | Path, prompt: list[int], new: int, tp: int = 1, **sampling: object) -> list:
     """prompt + `new` tokens generated with the KV cache by `tp` ranks, each loading its shards
-    of the checkpoint `path`; `sampling`: a Sampling's fields (greedy, temperature, top_k, seed),
-    as generated.json records them."""
+    of the checkpoint `path`; `sampling`: Sampling's fields, as generated.json records them."""
     config = checkpoint.read_config(path)
     return launch(_serve, tp, config, str(path), list(prompt), new, dict(sampling))[0]
 
