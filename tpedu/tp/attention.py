@@ -262,7 +262,7 @@ class ParallelAttention(nn.Module):
         q = q.view(b, s, nq, d).transpose(1, 2)  # [b, nq/t, s, d]
         k = k.view(b, s, nkv, d).transpose(1, 2)
         v = v.view(b, s, nkv, d).transpose(1, 2)
-        mine = None if positions is None else positions[dist.get_rank(self.cp_group)]
+        mine = self.local_positions(positions)
         if cache is not None:  # [b, s]: each sequence's own positions
             mine = cache.positions()
         if self.rope_theta is not None:
@@ -271,14 +271,27 @@ class ParallelAttention(nn.Module):
             k, v, mask = cache.update(k, v)  # [b, nkv_r, L, d], mask [b, 1, s, L] or None
             return self.out(self._cached_core(q, k, v, mask))
         if positions is not None:  # context parallel: the core spans every CP rank's positions
-            out = self.cp_attention(q, k, v, positions, self.cp_group)
-            return self.out(out.transpose(1, 2).reshape(b, s, nq * d))
+            return self.out(self.context_core(q, k, v, positions))
         if self.recompute_core and torch.is_grad_enabled():
             # Saves q, k, v only; the recomputation redraws the same index_dropout mask.
             out = checkpoint(self._core, q, k, v, step, use_reentrant=False)
         else:
             out = self._core(q, k, v, step)
         return self.out(out)
+
+    def local_positions(self, positions: torch.Tensor | None) -> torch.Tensor | None:
+        """This CP rank's row [s] of every rank's global positions [cp, s] (None: None)."""
+        return None if positions is None else positions[dist.get_rank(self.cp_group)]
+
+    def context_core(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
+        """The core over every CP rank's positions [cp, s]: q [b, nq/t, s, d], k, v
+        [b, nkv_r, s, d] -> [b, s, nq/t·d]; `self.cp_attention` over `self.cp_group` (ring:
+        K/V sends around the CP ring; Ulysses: all-to-alls), forward and backward."""
+        b, nq, s, d = q.shape
+        out = self.cp_attention(q, k, v, positions, self.cp_group)
+        return out.transpose(1, 2).reshape(b, s, nq * d)
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: int) -> torch.Tensor:
         """softmax(q·kᵀ/√d)·v on this rank's heads: q [b, nq/t, s, d], k, v [b, nkv_r, s, d]

@@ -132,20 +132,19 @@ def attention_core(
     sequences b0 .. b0+b of a batch of `batch` (dropout draws that slice of the dense mask).
     No TP communication. Selective recomputation (attn.recompute_core) as in the layer.
     `positions` [cp, s] (context parallelism; s: this rank's positions): RoPE at the global
-    positions and the core is attn.cp_attention over attn.cp_group (its ring sends or
-    all-to-alls, forward and backward), as in ParallelAttention.forward."""
+    positions and the core is attn.context_core (CP's ring sends or all-to-alls, forward and
+    backward), as in ParallelAttention.forward."""
     nq, nkv, d = len(attn.q_heads), len(attn.kv_heads), attn.head_dim
     b, s, _ = qkv.shape
     q, k, v = qkv.split([nq * d, nkv * d, nkv * d], dim=-1)
     q = q.view(b, s, nq, d).transpose(1, 2)  # [b, nq/t, s, d]
     k = k.view(b, s, nkv, d).transpose(1, 2)
     v = v.view(b, s, nkv, d).transpose(1, 2)
-    mine = None if positions is None else positions[dist.get_rank(attn.cp_group)]
+    mine = attn.local_positions(positions)
     if attn.rope_theta is not None:
         q, k = apply_rope(q, attn.rope_theta, mine), apply_rope(k, attn.rope_theta, mine)
     if positions is not None:  # CP refuses dropout, and its core keeps its own activations
-        out = attn.cp_attention(q, k, v, positions, attn.cp_group)
-        return out.transpose(1, 2).reshape(b, s, nq * d)
+        return attn.context_core(q, k, v, positions)
     batch = b if batch is None else batch
 
     def core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
