@@ -8,6 +8,7 @@ import pytest
 
 from tests.helpers import cli, one_line_error, pipeline_logs
 from tpedu.analysis.clock import trace
+from tpedu.comm.recorder import Mark, RankLog
 
 PHASES = {"X", "B", "E", "i", "I", "M"}
 METADATA = {"process_name", "thread_name", "process_sort_index", "thread_sort_index"}
@@ -78,6 +79,15 @@ def test_write_hand_built_pipeline(tmp_path):
     replayed = [e for e in doc["traceEvents"] if e["pid"] >= trace.REPLAYED and e["ph"] == "X"]
     assert max(e["ts"] + e["dur"] for e in replayed) == pytest.approx(timeline.step * 1e6)
     assert timeline.bubble == pytest.approx(1 / 5)
+
+
+def test_marks_with_data_keep_it_in_the_trace():
+    """A ZeRO buffer's gather / free mark carries the buffer's name and bytes into the trace;
+    a plain mark (a step boundary) carries none."""
+    log = RankLog(0, "run", [Mark("step 0", 0.0), Mark("gather", 0.5, "block 1", 4096)])
+    marks = [e for e in trace.recorded_events([log]) if e["ph"] == "i"]
+    assert [m.get("args") for m in marks] == [None, {"what": "block 1", "bytes": 4096}]
+    check_trace_format({"traceEvents": marks})
 
 
 def test_train_trace_tp2_pp2(tmp_path, capfd):

@@ -83,7 +83,10 @@ def recorded_events(logs: list[RankLog]) -> list[dict]:
                 out.append(_x(name, r, COMM, s.wall_start - t0, s.wall_end - t0))
             else:
                 ts = round((s.wall - t0) * 1e6, 3)
-                out.append({"name": s.name, "ph": "i", "s": "p", "pid": r, "tid": 0, "ts": ts})
+                mark = {"name": s.name, "ph": "i", "s": "p", "pid": r, "tid": 0, "ts": ts}
+                if s.what or s.nbytes:  # a ZeRO buffer's gather / free, a chunk's call
+                    mark["args"] = {"what": s.what, "bytes": s.nbytes}
+                out.append(mark)
     return out
 
 
