@@ -14,7 +14,7 @@ from tpedu import launch
 from tpedu.comm.tracer import CommTracer
 from tpedu.model.config import GPTConfig
 from tpedu.model.dense import DenseGPT
-from tpedu.model.gpt import TPGPT
+from tpedu.model.gpt import TPGPT, weighted_grads
 
 CONFIGS = {
     # vocab 37 is prime: padded at every tp > 1; dropout on everywhere.
@@ -122,6 +122,12 @@ def test_bad_configs_are_clear_errors():
             GPTConfig(50, dropout=p).check(1)
 
 
+def squares(model):
+    """This rank's weighted sum of squared gradients, as grad_norm sums them before its
+    all-reduce."""
+    return sum((g.double().square() * w).sum() for g, w in weighted_grads([model]))
+
+
 def counts_after_moving():
     """build_model builds on the CPU, then moves the model to its GPU: the replica counts of the
     QKV rows stay on the CPU and must follow the gradients. The meta device plays the GPU
@@ -132,14 +138,14 @@ def counts_after_moving():
     on_meta = TPGPT(DenseGPT(CONFIGS["llama"])).to("meta")
     for p in on_meta.parameters():
         p.grad = torch.zeros_like(p)
-    device = on_meta.squared_grad_sum().device.type
+    device = squares(on_meta).device.type
     model = TPGPT(DenseGPT(CONFIGS["llama"]))
     moved = TPGPT(DenseGPT(CONFIGS["llama"])).to("meta").to_empty(device="cpu")
     assert not any(a is b for a, b in zip(model.parameters(), moved.parameters(), strict=True))
     for m in (model, moved):
         for p in m.parameters():
             p.grad = torch.ones_like(p)
-    return device, model.squared_grad_sum().item(), moved.squared_grad_sum().item()
+    return device, squares(model).item(), squares(moved).item()
 
 
 def test_gradient_norm_counts_follow_the_model_to_its_device():

@@ -57,9 +57,10 @@ from tpedu.model.dense import (
     mlp_output,
 )
 from tpedu.model.options import RunOptions
-from tpedu.model.state import merge_shards, shard_map
+from tpedu.model.state import dense_name, merge_shards, shard_map
 from tpedu.moe.dense import DenseMoE
 from tpedu.moe.expert_parallel import ExpertParallelMoE
+from tpedu.parallel.mesh import Layout
 from tpedu.tp.attention import ParallelAttention
 from tpedu.tp.chunked import chunked_block
 from tpedu.tp.collective_matmul import (
@@ -474,29 +475,30 @@ class TPGPT(nn.Module):
         return logits
 
     def grad_norm(self) -> torch.Tensor:
-        """L2 norm of the whole (dense) model's gradient, on every rank. 1 all-reduce.
+        """L2 norm of the whole (dense) model's gradient, on every rank, for this model alone
+        (lesson 07: its TP group is the job; with CP each CP rank holds the same gradients and
+        gets the same norm): `grad_norm` of its `weighted_grads`. 1 all-reduce over the TP group.
+        Clipping with a norm that counts replicated parameters t times (or shards only once) is
+        a bug."""
+        return grad_norm(weighted_grads([self]), self.group)
 
-        Each rank sums the squares of its own gradients, dividing by how many ranks hold a copy
-        of each element (replicated norms and biases: t; shards: 1; replicated KV heads: their
-        replica count), so after the all-reduce every element is counted exactly once. Clipping
-        with a norm that counts replicated parameters t times (or shards only once) is a bug.
-        """
-        return collectives.all_reduce(self.squared_grad_sum(), self.group).sqrt()
-
-    def squared_grad_sum(
-        self, skip: nn.Parameter | None = None, experts: bool | None = None
-    ) -> torch.Tensor:
-        """This rank's share of the squared gradient norm (float64 scalar, no communication):
-        each element's square divided by its number of copies; `skip` is left out;
-        `experts`: True the experts' parameters alone (an EP group sums those), False all but
-        them, None all."""
-        sq = torch.zeros((), dtype=torch.float64, device=next(self.parameters()).device)
-        for name, p in self.named_parameters():
-            if experts is not None and sharded_on(self._placements[name], "ep") != experts:
-                continue
-            if p.grad is not None and p is not skip:
-                sq += (p.grad.double().square() / self.copies_of(name)).sum()
-        return sq
+    def norm_weight(self, name: str, layout: Layout | None = None, zero: int = 0) -> Weight:
+        """The gradient norm's weight of each element of local parameter `name`: 1 / the ranks
+        of the whole job holding a copy of it, read off its placements, so that the sum over
+        every rank counts each element once. Per mesh axis of `layout` (None: this model
+        alone, its TP group):
+            tp  Replicate: t copies (a replicated KV head: its replicas, `copies_of`); Shard: 1
+            cp  every parameter is a copy on each CP rank (sync_grads summed its gradient)
+            dp  DataParallel: a copy per replica (experts, Shard on ep: per edp replica);
+                ZeRO (zero ≥ 1): 1, each DP rank holds its own shard of the gradient
+            pp  each stage holds its own layers: 1; the last stage's copy of a tied embedding
+                counts 0 (weight 0): after sync_tied_grads it equals the first stage's table.
+        A number, or a tensor of the parameter's shape (replicated KV heads)."""
+        layout = layout or Layout(tp=self.tp)
+        if dense_name(name, self.layer_ids, self.config.tie_embeddings)[1]:
+            return 0.0
+        dp = layout.dp // layout.ep if sharded_on(self._placements[name], "ep") else layout.dp
+        return 1.0 / (self.copies_of(name) * layout.cp * (1 if zero else dp))
 
     def copies_of(self, name: str) -> float | torch.Tensor:
         """How many TP ranks hold each element of local parameter `name` (a number, or a
@@ -512,7 +514,7 @@ class TPGPT(nn.Module):
         """{local parameter name: ranks holding a copy}, {local name: its placements}, from the
         shard map. Keyed by name, which survives .to() and to_empty() (they may replace the
         Parameter objects). The counts are on the device the model is built on;
-        squared_grad_sum moves one to its gradient's device."""
+        copies_of moves one to its parameter's device."""
         entries = shard_map(self)
         return {e.local: e.copies for e in entries}, {e.local: e.placements for e in entries}
 
@@ -562,3 +564,33 @@ class TPGPT(nn.Module):
             rows = self.config.vocab_size if e.kind == "vocab" else None
             out[e.name] = merge_shards(shards.chunk(self.tp), e.kind, self.config, rows)
         return out
+
+
+Weight = float | torch.Tensor  # a gradient-norm weight: one number, or one per element
+
+
+def weighted_grads(
+    chunks: Iterable[TPGPT], layout: Layout | None = None, zero: int = 0
+) -> list[tuple[torch.Tensor, Weight]]:
+    """(gradient, `TPGPT.norm_weight`) of every parameter of this rank's chunks that has one:
+    what `grad_norm` sums. No communication."""
+    return [
+        (p.grad, chunk.norm_weight(name, layout, zero))
+        for chunk in chunks
+        for name, p in chunk.named_parameters()
+        if p.grad is not None
+    ]
+
+
+def grad_norm(
+    grads: Iterable[tuple[torch.Tensor, Weight]], group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
+    """The one gradient norm: sqrt(Σ w·g²) over every element g, weight w, of every rank of
+    `group` (None: the world), a float64 scalar on every rank. Each rank sums its own squares
+    in float64, weighted by 1 / the ranks holding a copy (`TPGPT.norm_weight`; ZeRO's shards
+    carry the same weights per element), then 1 all-reduce adds the ranks' sums."""
+    grads = list(grads)
+    sq = torch.zeros((), dtype=torch.float64, device=grads[0][0].device if grads else None)
+    for g, w in grads:
+        sq += (g.double().square() * w).sum()
+    return collectives.all_reduce(sq, group).sqrt()

@@ -1,7 +1,7 @@
 """Lesson 14: the shard map (used from lesson 07 on). For every parameter of a rank's model: its
 dense name (DenseGPT's state-dict key), how it is split over the TP group, and how many ranks
 hold a copy of each element. One walker (`shard_map`) serves the dense state-dict gather
-(`TPGPT.gather_state_dict`), the gradient norm's replica counts (`TPGPT.squared_grad_sum`),
+(`TPGPT.gather_state_dict`), the gradient norm's replica counts (`TPGPT.norm_weight`),
 checkpoint save and load, and resharding; `split_tensor` / `merge_shards` are the one set of
 split and merge rules they all use.
 

@@ -280,9 +280,9 @@ class ShardedDataParallel(GradientSync):
     """ZeRO-1, -2 or -3 over the DP `group` for this rank's TPGPT chunks.
 
     Per step: forward/backward (micro-batches inside `no_sync()` except the last), the caller's
-    gradient fix-ups on `defer`'s parameters, `finish()`, clipping with `squared_grad_sum()`,
+    gradient fix-ups on `defer`'s parameters, `finish()`, clipping with `weighted_grads()`,
     `step()`. `decay(p)`: whether AdamW decays p; `weight_of(chunk, name)`: the gradient-norm
-    weight of a chunk's parameter (1 / copies); `reduce_dtype`: as DataParallel's;
+    weight of a chunk's parameter (`TPGPT.norm_weight`); `reduce_dtype`: as DataParallel's;
     `gather_dtype` (e.g. torch.bfloat16): all-gather the parameters in it, half the bytes, the
     replicas' parameters then rounded to it (AdamW's fp32 shards are not); `prefetch`
     (ZeRO-3): start the neighbouring block's all-gather early (False: only when it is needed).
@@ -447,13 +447,10 @@ class ShardedDataParallel(GradientSync):
         for u in self.units:  # a block with an unused parameter never counted to the end
             u.ready = 0
 
-    def squared_grad_sum(self) -> torch.Tensor:
-        """This rank's share of the squared gradient norm (float64; sum it over DP, TP, PP)."""
-        sq = torch.zeros((), dtype=torch.float64, device=self.buffers[0].shard.device)
-        for b in self.buffers:
-            if b.shard.grad is not None:
-                sq += (b.shard.grad.double().square() * b.grad_weight).sum()
-        return sq
+    def weighted_grads(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(shard.grad, its elements' gradient-norm weights) of every buffer: what
+        `tpedu.model.gpt.grad_norm` sums. No communication."""
+        return [(b.shard.grad, b.grad_weight) for b in self.buffers if b.shard.grad is not None]
 
     def gather_wait_seconds(self) -> float:
         """Seconds this rank's compute has waited for ZeRO-3's all-gathers (exposed

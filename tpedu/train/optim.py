@@ -13,11 +13,11 @@ import torch
 import torch.distributed as dist
 
 from tpedu.comm.placement import gradient_group
-from tpedu.model.gpt import TPGPT
+from tpedu.model.gpt import TPGPT, Weight
 from tpedu.model.state import shard_map
 from tpedu.parallel.data_parallel import DataParallel
 from tpedu.parallel.mesh import Mesh
-from tpedu.parallel.pipeline.runtime import tied_head_copy, tied_params
+from tpedu.parallel.pipeline.runtime import tied_params
 from tpedu.parallel.zero import ShardedDataParallel
 from tpedu.train.config import TrainConfig
 from tpedu.train.precision import DTYPES
@@ -44,13 +44,11 @@ def make_sharded(
 ) -> ShardedDataParallel:
     """ZeRO-1/2/3 over the DP group for this rank's chunks: AdamW as make_optimizer's; the
     gradients TP and the tied embedding fix up are reduce-scattered after the fix-ups; the
-    gradient norm weighs each element as TPGPT.squared_grad_sum does (a tied head's second copy
-    left out, as the step's gradient norm leaves it)."""
+    gradient norm weighs each element by TPGPT.norm_weight, ZeRO's rule (a DP rank's shard is
+    its own)."""
 
-    def weight_of(chunk: TPGPT, name: str) -> float | torch.Tensor:
-        if chunk.get_parameter(name) is tied_head_copy(chunk):
-            return 0.0
-        return 1.0 / chunk.copies_of(name)
+    def weight_of(chunk: TPGPT, name: str) -> Weight:
+        return chunk.norm_weight(name, mesh.layout, level)
 
     defer = [p for c in chunks for p in c.grad_sync_params()] + tied_params(chunks)
     return ShardedDataParallel(

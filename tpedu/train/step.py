@@ -10,15 +10,16 @@ same `TrainStep` on meta tensors. Per step, in order:
    after the fix-ups of 3-4, since those must be summed first);
 3. the tied embedding's all-reduce (first + last stage, when they are different ranks);
 4. the TP fix-ups (`TPGPT.sync_grads`: replicated KV heads, sequence parallelism, CP);
-5. the global gradient norm (2 small all-reduces; 3 with ZeRO), clipping, AdamW.
+5. the global gradient norm (1 float64 all-reduce over the world), clipping, AdamW.
 
-`train_step` is lesson 07's step of one model: steps 4 and 5 only, as the lesson writes them.
+`train_step` is lesson 07's step of one model: this `TrainStep` at one stage, one micro-batch
+and one replica (steps 1, 4 and 5).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -27,7 +28,7 @@ from tpedu.comm import collectives
 from tpedu.comm.device import device
 from tpedu.data.batches import packed_batch
 from tpedu.model.config import GPTConfig
-from tpedu.model.gpt import TPGPT
+from tpedu.model.gpt import TPGPT, grad_norm, weighted_grads
 from tpedu.model.sharded_init import build_sharded
 from tpedu.moe.aux_loss import aux_loss_scale
 from tpedu.parallel.config import ParallelConfig
@@ -38,7 +39,6 @@ from tpedu.parallel.pipeline.runtime import (
     StepResult,
     run_schedule,
     sync_tied_grads,
-    tied_head_copy,
 )
 from tpedu.parallel.pipeline.schedules import schedule as pipeline_schedule
 from tpedu.parallel.pipeline.schedules import stage_layers
@@ -123,37 +123,6 @@ def finish_scaled(scaler: LossScaler | None, params: Iterable[torch.nn.Parameter
     return overflow
 
 
-def global_grad_norm(chunks: Sequence[TPGPT], mesh: Mesh) -> torch.Tensor:
-    """L2 norm of the whole model's gradient on every rank. 2 small all-reduces.
-
-    `chunks`: this rank's TPGPT chunks. Within a stage, TP copies are counted once (as
-    `TPGPT.grad_norm`); then the stages' sums of squares are added over the PP group, leaving
-    out the last stage's copy of a tied embedding (its gradient equals the first stage's after
-    `sync_tied_grads`). DP replicas hold identical gradients after the all-reduce: no DP
-    reduction.
-    """
-    # ep > 1: each EP rank holds other experts, whose squares are added over the EP group
-    split = mesh.layout.ep > 1
-    sq = torch.zeros((), dtype=torch.float64, device=next(chunks[0].parameters()).device)
-    for chunk in chunks:
-        sq += chunk.squared_grad_sum(skip=tied_head_copy(chunk), experts=False if split else None)
-    if split:
-        sq += collectives.all_reduce(
-            sum(chunk.squared_grad_sum(experts=True) for chunk in chunks), mesh.ep_group
-        )
-    collectives.all_reduce(sq, mesh.tp_group)
-    return collectives.all_reduce(sq, mesh.pp_group).sqrt()
-
-
-def grad_norm_sharded(sharded: ShardedDataParallel, mesh: Mesh) -> torch.Tensor:
-    """global_grad_norm from ZeRO-2/3's gradient shards: each DP rank holds 1/N of every
-    element, so the DP group sums too. 3 small all-reduces (DP, TP, PP)."""
-    sq = sharded.squared_grad_sum()
-    for group in (mesh.dp_group, mesh.tp_group, mesh.pp_group):
-        collectives.all_reduce(sq, group)
-    return sq.sqrt()
-
-
 def replica_mean(value: torch.Tensor | None, mesh: Mesh) -> float:
     """The last stage's loss, averaged over DP replicas, on every rank (1 world all-reduce).
     TP and CP ranks of a stage hold the same loss (CP's is already the whole sequence's mean):
@@ -171,7 +140,7 @@ class TrainStep:
     chunks: list[TPGPT]  # this rank's model chunks (several with the interleaved schedule)
     opt: torch.optim.Optimizer | ShardedDataParallel
     dpar: DataParallel | ShardedDataParallel | None  # the DP reducer (None at dp 1)
-    mesh: Mesh
+    mesh: Mesh | None  # None: one model alone, its TP group the job (lesson 07's train_step)
     pipe: Pipe
     actions: list  # this stage's pipeline schedule
     per_replica: int  # sequences per DP replica per step
@@ -217,7 +186,7 @@ class TrainStep:
         sharded = isinstance(dpar, ShardedDataParallel)
         if dpar is not None and not sharded:
             dpar.finish()
-        sync_tied_grads(chunks, mesh.emb_group)
+        sync_tied_grads(chunks, mesh.emb_group if mesh else None)
         for chunk in chunks:
             chunk.sync_grads()
         if sharded:  # ZeRO reduce-scatters what the fix-ups have summed: they come first
@@ -227,10 +196,20 @@ class TrainStep:
             grads = [p for chunk in chunks for p in chunk.parameters()]
         if finish_scaled(scaler, grads):
             return res, torch.tensor(math.inf)
-        norm = grad_norm_sharded(dpar, mesh) if sharded else global_grad_norm(chunks, mesh)
+        norm = self.grad_norm()
         clip_grads(grads, norm, self.cfg.grad_clip)
         self.opt.step()
         return res, norm
+
+    def grad_norm(self) -> torch.Tensor:
+        """The whole model's gradient norm on every rank (`tpedu.model.gpt.grad_norm`): ZeRO's
+        gradient shards or this rank's gradients, each element weighted by 1 / its copies in
+        the job; 1 all-reduce over the world (one model alone: over its TP group)."""
+        if isinstance(self.dpar, ShardedDataParallel):
+            return grad_norm(self.dpar.weighted_grads())
+        if self.mesh is None:
+            return self.chunks[0].grad_norm()
+        return grad_norm(weighted_grads(self.chunks, self.mesh.layout))
 
 
 def build_step(
@@ -282,21 +261,25 @@ def train_step(
     cfg: TrainConfig,
     scaler: LossScaler | None = None,
 ) -> tuple[float, float]:
-    """One optimizer step of one model (lesson 07: TrainStep's work at one stage, one
-    micro-batch, one replica); returns (loss, gradient norm before clipping). With a LossScaler
-    (fp16) the backward runs on the scaled loss; a step whose gradients overflow on any rank is
-    skipped (weights and AdamW states untouched) and its norm reported as inf."""
-    for g in opt.param_groups:
-        g["lr"] = lr_at(step, cfg)
-    with autocast(cfg.dtype, x.device):
-        loss = model(x, y, step=step)
-    opt.zero_grad(set_to_none=True)
-    with aux_loss_scale(scaler.scale if scaler else 1.0):
-        (loss * scaler.scale if scaler else loss).backward()
-    model.sync_grads()
-    if finish_scaled(scaler, model.parameters()):
-        return loss.item(), math.inf
-    norm = model.grad_norm()
-    clip_grads(model.parameters(), norm, cfg.grad_clip)
-    opt.step()
-    return loss.item(), norm.item()
+    """One optimizer step of one model (lesson 07): `TrainStep` at one stage, one micro-batch,
+    one replica, with `opt` and `scaler` as given; x, y: ids and targets [b, s] on the device.
+    Returns (loss, gradient norm before clipping). With a LossScaler (fp16) the backward runs on
+    the scaled loss; a step whose gradients overflow on any rank is skipped (weights and AdamW
+    states untouched) and its norm reported as inf. Communication: the model's TP collectives,
+    its `sync_grads`, the gradient norm's all-reduce over its TP group."""
+    one = TrainStep(
+        chunks=[model],
+        opt=opt,
+        dpar=None,
+        mesh=None,
+        pipe=Pipe(0, [0], None, None),
+        actions=pipeline_schedule("1f1b", 1, 1, 0),
+        per_replica=len(x),
+        micro_batches=1,
+        shape=(*x.shape, model.config.hidden),
+        dtype=next(model.parameters()).dtype,
+        cfg=cfg,
+        scaler=scaler,
+    )
+    res, norm = one([x], [y], step)
+    return res.loss.item(), norm.item()

@@ -221,14 +221,6 @@ def tied_params(chunks: Sequence[nn.Module]) -> list[nn.Parameter]:
     return [m.tok_emb.weight for m in (first,) if m] + [m.lm_head.weight for m in (last,) if m]
 
 
-def tied_head_copy(chunk: TPGPT) -> nn.Parameter | None:
-    """The last stage's own copy of a tied embedding (its head), which a gradient norm leaves
-    out: after `sync_tied_grads` its gradient equals the first stage's table's. None if untied
-    or if this chunk has no separate head."""
-    tied = chunk.config.tie_embeddings and chunk.lm_head is not None
-    return chunk.lm_head.weight if tied else None
-
-
 def sync_tied_grads(chunks: Sequence[nn.Module], emb_group: dist.ProcessGroup | None) -> None:
     """Sum the gradients of the tied embedding's two copies (first stage's table, last stage's
     head). Both on this rank (one stage, several chunks): added locally; else 1 all-reduce over
