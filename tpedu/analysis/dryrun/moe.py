@@ -215,13 +215,11 @@ def tp_terms(fig: RankFigures, config: GPTConfig, parallel: ParallelConfig) -> l
 
 def ep_terms(fig: RankFigures, config: GPTConfig, parallel: ParallelConfig) -> list[Term]:
     """The EP group's calls (the lesson-18 formulas of tpedu.moe.expert_parallel), per MoE
-    layer and micro-batch, and the gradient norm's share."""
+    layer and micro-batch."""
     c, e = config, VALUE_BYTES
     n = moe_blocks(config, fig) * fig.micro_batches
-    if not n:  # a stage without MoE layers (moe_every > 1): only the gradient norm's share
-        return [Term("gradient norm: the experts' squares, 1 float64 all-reduce", 8)] * (
-            parallel.ep > 1
-        )
+    if not n:  # a stage without MoE layers (moe_every > 1)
+        return []
     x = moe_layer(config, parallel, fig)
     stats = (3 * c.experts + 2) * e
     full = parallel.recompute == "full"
@@ -241,8 +239,6 @@ def ep_terms(fig: RankFigures, config: GPTConfig, parallel: ParallelConfig) -> l
     if full:
         forward = sum(t.value for t in terms[:4])
         terms.append(Term("full recompute: the forward's 4 calls rerun in backward", forward))
-    if parallel.ep > 1:
-        terms.append(Term("gradient norm: the experts' squares, 1 float64 all-reduce", 8))
     return terms
 
 

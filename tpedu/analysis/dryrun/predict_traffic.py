@@ -199,7 +199,7 @@ def _tp_block_terms(x: _Volumes) -> list[Term]:
 
 def _tp_end_terms(x: _Volumes) -> list[Term]:
     """TP outside the blocks: embedding, LM head and loss, replicated KV heads' and sequence-
-    parallel parameters' gradients, the gradient norm."""
+    parallel parameters' gradients."""
     c, tp, sp, e = x.config, x.parallel.tp, x.parallel.sequence_parallel, VALUE_BYTES
     m, fig, msg = x.m, x.fig, x.msg
     terms = []
@@ -233,7 +233,6 @@ def _tp_end_terms(x: _Volumes) -> list[Term]:
                 _sp_params(c, fig) * e,
             )
         )
-    terms.append(Term("gradient norm: 1 float64 all-reduce", 8))
     return terms
 
 
@@ -270,7 +269,6 @@ def _pp_traffic(x: _Volumes) -> Comparison:
                 sends * msg / (tp if sp else 1),
             )
         )
-    pp_terms.append(Term("gradient norm: 1 float64 all-reduce", 8))
     return Comparison(
         "pp traffic", x.measured["pp"], vol.pp_sends * msg, "what-if", tuple(pp_terms)
     )
@@ -320,7 +318,11 @@ def _emb_and_world_traffic(x: _Volumes) -> list[Comparison]:
             x.measured["world"],
             0.0,
             "what-if",
-            (Term("the loop's loss average over replicas (1 float64)", 8), STOP_CHECK),
+            (
+                Term("the gradient norm: 1 float64 all-reduce", 8),
+                Term("the loop's loss average over replicas (1 float64)", 8),
+                STOP_CHECK,
+            ),
         ),
     ]
 
@@ -328,7 +330,7 @@ def _emb_and_world_traffic(x: _Volumes) -> list[Comparison]:
 def _sharded_traffic_terms(fig: RankFigures, parallel: ParallelConfig) -> list[Term]:
     """ZeRO's DP calls beyond one all-reduce of this rank's parameters (which the
     reduce-scatter of the gradients replaces, the same bytes in): the padding, the parameters'
-    all-gathers, the gradient norm's share over DP."""
+    all-gathers."""
     dp, m, e = parallel.dp, fig.micro_batches, VALUE_BYTES
     terms = []
     pad = padding_term(fig, dp)
@@ -362,7 +364,6 @@ def _sharded_traffic_terms(fig: RankFigures, parallel: ParallelConfig) -> list[T
                 (padded - blocks) * e,
             ),
         ]
-    terms.append(Term("gradient norm: 1 float64 all-reduce (each rank holds 1/N of it)", 8))
     return terms
 
 
