@@ -30,7 +30,6 @@ KNOWN = {
         "model/gpt.py": "where the model wires its MoE layer",
         "cli/checks.py": "the CLI's one-line errors before any rank starts",
         "train/loop.py": "progress labels name every axis",
-        "train/step.py": "the gradient norm adds the experts' squares over EP",
         "checkpoint/writer.py": "an expert is written by the first of its replicas",
         "course/bugzoo.py": "the zoo's EP bugs",
         "course/zoo_training.py": "the zoo's EP run",

@@ -35,7 +35,7 @@ CP group, the loss is the mean over the whole sequence (2 small all-reduces over
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -60,7 +60,6 @@ from tpedu.model.options import RunOptions
 from tpedu.model.state import dense_name, merge_shards, shard_map
 from tpedu.moe.dense import DenseMoE
 from tpedu.moe.expert_parallel import ExpertParallelMoE
-from tpedu.parallel.mesh import Layout
 from tpedu.tp.attention import ParallelAttention
 from tpedu.tp.chunked import chunked_block
 from tpedu.tp.collective_matmul import (
@@ -482,23 +481,26 @@ class TPGPT(nn.Module):
         a bug."""
         return grad_norm(weighted_grads([self]), self.group)
 
-    def norm_weight(self, name: str, layout: Layout | None = None, zero: int = 0) -> Weight:
+    def norm_weight(self, name: str, replicas: Mapping[str, int] | None = None) -> Weight:
         """The gradient norm's weight of each element of local parameter `name`: 1 / the ranks
         of the whole job holding a copy of it, read off its placements, so that the sum over
-        every rank counts each element once. Per mesh axis of `layout` (None: this model
-        alone, its TP group):
+        every rank counts each element once. `replicas`: {axis: size} of the mesh's axes beyond
+        TP along which the job copies parameters (`Layout.copy_axes`; None: this model alone):
             tp  Replicate: t copies (a replicated KV head: its replicas, `copies_of`); Shard: 1
-            cp  every parameter is a copy on each CP rank (sync_grads summed its gradient)
-            dp  DataParallel: a copy per replica (experts, Shard on ep: per edp replica);
-                ZeRO (zero ≥ 1): 1, each DP rank holds its own shard of the gradient
+            cp  a copy on each CP rank (their gradients are summed, then equal)
+            dp  a copy per replica; an expert (Shard on ep, which is carved from dp) one per
+                dp/ep replicas of the same experts. Under ZeRO the caller leaves dp out: each
+                DP rank holds its own shard of the gradient
             pp  each stage holds its own layers: 1; the last stage's copy of a tied embedding
                 counts 0 (weight 0): after sync_tied_grads it equals the first stage's table.
         A number, or a tensor of the parameter's shape (replicated KV heads)."""
-        layout = layout or Layout(tp=self.tp)
         if dense_name(name, self.layer_ids, self.config.tie_embeddings)[1]:
             return 0.0
-        dp = layout.dp // layout.ep if sharded_on(self._placements[name], "ep") else layout.dp
-        return 1.0 / (self.copies_of(name) * layout.cp * (1 if zero else dp))
+        replicas = replicas or {}
+        dp = replicas.get("dp", 1)
+        if sharded_on(self._placements[name], "ep"):
+            dp //= replicas.get("ep", 1)
+        return 1.0 / (self.copies_of(name) * replicas.get("cp", 1) * max(dp, 1))
 
     def copies_of(self, name: str) -> float | torch.Tensor:
         """How many TP ranks hold each element of local parameter `name` (a number, or a
@@ -570,12 +572,12 @@ Weight = float | torch.Tensor  # a gradient-norm weight: one number, or one per 
 
 
 def weighted_grads(
-    chunks: Iterable[TPGPT], layout: Layout | None = None, zero: int = 0
+    chunks: Iterable[TPGPT], replicas: Mapping[str, int] | None = None
 ) -> list[tuple[torch.Tensor, Weight]]:
     """(gradient, `TPGPT.norm_weight`) of every parameter of this rank's chunks that has one:
     what `grad_norm` sums. No communication."""
     return [
-        (p.grad, chunk.norm_weight(name, layout, zero))
+        (p.grad, chunk.norm_weight(name, replicas))
         for chunk in chunks
         for name, p in chunk.named_parameters()
         if p.grad is not None

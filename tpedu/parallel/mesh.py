@@ -137,6 +137,13 @@ class Layout:
         edp, ep = divmod(self.coords(rank)["dp"], self.ep)
         return {"ep": ep, "edp": edp}
 
+    def copy_axes(self, dp: bool = True) -> dict[str, int]:
+        """{axis: size} of the axes beyond TP along which this layout copies a parameter (what
+        TPGPT.norm_weight divides by): cp; dp (dp=False leaves it out, as under ZeRO, whose
+        DP ranks each hold their own shard of the gradient); ep, the part of dp an expert is
+        split over."""
+        return {"cp": self.cp, "ep": self.ep} | ({"dp": self.dp} if dp else {})
+
     def rank(self, **coords: int) -> int:
         """{axis: index} -> global rank (an axis left out: index 0)."""
         unknown = set(coords) - set(AXIS_NAMES)

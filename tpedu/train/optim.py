@@ -48,7 +48,7 @@ def make_sharded(
     its own)."""
 
     def weight_of(chunk: TPGPT, name: str) -> Weight:
-        return chunk.norm_weight(name, mesh.layout, level)
+        return chunk.norm_weight(name, mesh.layout.copy_axes(dp=not level))
 
     defer = [p for c in chunks for p in c.grad_sync_params()] + tied_params(chunks)
     return ShardedDataParallel(

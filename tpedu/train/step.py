@@ -209,7 +209,7 @@ class TrainStep:
             return grad_norm(self.dpar.weighted_grads())
         if self.mesh is None:
             return self.chunks[0].grad_norm()
-        return grad_norm(weighted_grads(self.chunks, self.mesh.layout))
+        return grad_norm(weighted_grads(self.chunks, self.mesh.layout.copy_axes()))
 
 
 def build_step(
