@@ -115,7 +115,7 @@ def test_ledger_pipeline_and_data_parallel_division():
         # final LN: last stage
         assert lg.params == layers * per_layer + c.vocab_size * h + c.seq_len * h
         assert lg.activations == layers * act * pp  # 1F1B: pp micro-batches in flight on stage 0
-    one, dp8, z = ledger(c), ledger(c, dp=8), ledger(c, dp=8, zero1=True)
+    one, dp8, z = ledger(c), ledger(c, dp=8), ledger(c, dp=8, zero=1)
     fields = ("weights", "gradients", "optimizer", "activations", "params")
     assert all(getattr(one, f) == getattr(dp8, f) for f in fields), "DP alone divides nothing"
     assert (z.weights, z.gradients, z.activations) == (one.weights, one.gradients, one.activations)
@@ -175,7 +175,7 @@ def test_calculator_wires_widgets_to_ledger(capsys):
     assert calc.params_b.value == round(calc.config().n_params / 1e9, 2)
     assert calc.layers.value == 2
     calc.tp.value, calc.sp.value, calc.zero1.value, calc.dp.value = 4, True, True, 2
-    assert calc.ledger() == ledger(calc.config(), tp=4, dp=2, sp=True, zero1=True)
+    assert calc.ledger() == ledger(calc.config(), tp=4, dp=2, sp=True, zero=1)
     calc.widget.children[2].click()  # the "measure" hook
     assert calls == [(calc.config(), calc.settings())]
     capsys.readouterr()

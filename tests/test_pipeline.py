@@ -16,7 +16,13 @@ from tpedu.model.config import GPTConfig
 from tpedu.model.dense import DenseGPT
 from tpedu.parallel.config import ParallelConfig
 from tpedu.parallel.mesh import Layout, Mesh
-from tpedu.parallel.pipeline.runtime import Pipe, build_stage_chunks, run_schedule, sync_tied_grads
+from tpedu.parallel.pipeline.runtime import (
+    Pipe,
+    StepOptions,
+    build_stage_chunks,
+    run_schedule,
+    sync_tied_grads,
+)
 from tpedu.parallel.pipeline.schedules import (
     action_parts,
     bubble_formula,
@@ -241,7 +247,7 @@ def test_a_mismatched_pipeline_ends_in_a_clear_error():
             ins,
             list(tgt.chunk(2)) + [tgt[:2]],
             (2, 7, CONFIG.hidden),
-            recv_timeout=1.0,
+            options=StepOptions(recv_timeout=1.0),
         )
 
     with pytest.raises((LaunchTimeout, RankError), match="gave up waiting for the activation"):

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from tpedu import checkpoint, launch
-from tpedu.analysis.memory import ledger, measure_training_bytes
+from tpedu.analysis.memory import BytesPerParam, ledger, measure_training_bytes
 from tpedu.analysis.shape import ModelShape
 from tpedu.comm.tracer import CommTracer
 from tpedu.model import TPGPT, DenseGPT, GPTConfig
@@ -203,9 +203,7 @@ def test_bytes_per_parameter_on_a_real_rank_equal_the_ledger_row():
     """AMP keeps fp32 weights (the masters), fp32 gradients and two fp32 AdamW moments:
     4 + 4 + 8 = 16 B per parameter, measured on each rank of tp 2, equal to the ledger's row
     with those byte counts (Megatron's bf16 row is 2 + 2 + 12, also 16)."""
-    row = ledger(
-        ModelShape.from_config(GPT2), tp=2, weight_bytes=4, grad_bytes=4, optimizer_bytes=8
-    )
+    row = ledger(ModelShape.from_config(GPT2), tp=2, per_param=BytesPerParam(4, 4, 8))
     for m in launch(_bytes_after_bf16_step, 2):
         assert (m.weights, m.gradients, m.optimizer) == (4 * m.params, 4 * m.params, 8 * m.params)
         assert (m.params, m.weights, m.gradients, m.optimizer) == (

@@ -17,8 +17,6 @@ ALLOWED = {
     "parallel/zero.py:ShardedDataParallel.__init__": "AdamW's own settings beside ZeRO's",
     "moe/dense.py:DenseMoE.__init__": "hyperparameters, as torch.nn modules take them",
     "tp/dense.py:DenseAttention.__init__": "hyperparameters, as torch.nn modules take them",
-    "parallel/pipeline/runtime.py:run_schedule": "left: being reduced",
-    "analysis/memory.py:ledger": "left: lesson 12's notebook (owned elsewhere) passes its keywords",
 }
 
 

@@ -330,7 +330,7 @@ def _expected(controls: dict) -> tuple[str, str]:
         dp=int(controls["dp"]),
         sp=controls["sequence parallel"],
         recompute=controls["recompute"],
-        zero1=controls["ZeRO-1 (optimizer / dp)"],
+        zero=int(controls["ZeRO-1 (optimizer / dp)"]),
     )
     return f"{lg.table()}\n{lg.total / GB:.1f} GB per device", f"{config.n_params / 1e9:.3f}B"
 

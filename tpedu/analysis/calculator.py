@@ -11,7 +11,7 @@ fits on the chosen GPU. All arithmetic lives in tpedu/analysis/memory.py.
 
 Hook for later lessons: `memory_calculator(on_measure=f)` adds a "measure" button that calls
 `f(config, settings)` (config: the tpedu.analysis.shape.ModelShape on screen; settings: dict of
-tp, pp, dp, sp, recompute, zero1) and prints the string
+tp, pp, dp, sp, recompute, zero: 0 or 1) and prints the string
 it returns under the prediction, e.g. bytes measured on real ranks. If `f` returns
 `(text, activation_bytes)`, the measured activations per device are also drawn over the
 predicted bar (lesson 10: `tpedu.analysis.activation_memory.calculator_overlay`).
@@ -35,7 +35,7 @@ MeasureHook = Callable[[ModelShape, dict], "str | tuple[str, float]"]
 DEFAULT_SHAPE = ModelShape(
     n_layers=17, hidden=4096, n_heads=32, vocab_size=50_000, seq_len=2048, micro_batch=4
 )
-DEFAULT_SETTINGS = {"tp": 1, "pp": 1, "dp": 1, "sp": False, "recompute": "none", "zero1": False}
+DEFAULT_SETTINGS = {"tp": 1, "pp": 1, "dp": 1, "sp": False, "recompute": "none", "zero": 0}
 DEFAULT_GPU_GB = 80.0
 
 
@@ -107,7 +107,7 @@ class MemoryCalculator:
         self.pp = w.Dropdown(options=SIZES, value=settings["pp"], description="pp", style=style)
         self.dp = w.Dropdown(options=SIZES, value=settings["dp"], description="dp", style=style)
         self.sp = w.Checkbox(value=settings["sp"], description="sequence parallel")
-        self.zero1 = w.Checkbox(value=settings["zero1"], description="ZeRO-1 (optimizer / dp)")
+        self.zero1 = w.Checkbox(value=settings["zero"] == 1, description="ZeRO-1 (optimizer / dp)")
         self.recompute = w.Dropdown(
             options=RECOMPUTE, value=settings["recompute"], description="recompute", style=style
         )
@@ -156,7 +156,7 @@ class MemoryCalculator:
             "dp": self.dp.value,
             "sp": self.sp.value,
             "recompute": self.recompute.value,
-            "zero1": self.zero1.value,
+            "zero": int(self.zero1.value),
         }
 
     def ledger(self) -> Ledger:

@@ -166,6 +166,16 @@ class Ledger:
         return "\n".join(lines)
 
 
+@dataclass(frozen=True)
+class BytesPerParam:
+    """What one parameter costs in each line of the state: the default is mixed-precision AdamW
+    (bf16 weight and gradient, fp32 master + m + v: 2 + 2 + 12); fp32 AdamW is (4, 4, 8)."""
+
+    weight: int = 2
+    grad: int = 2
+    optimizer: int = 12
+
+
 def ledger(
     config: ModelShape,
     tp: int = 1,
@@ -173,11 +183,8 @@ def ledger(
     dp: int = 1,
     sp: bool = False,
     recompute: str = "none",
-    zero1: bool = False,
-    weight_bytes: int = 2,
-    grad_bytes: int = 2,
-    optimizer_bytes: int = 12,
     zero: int = 0,
+    per_param: BytesPerParam = BytesPerParam(),
 ) -> Ledger:
     """Per-device training memory of `config` under tensor/pipeline/data parallelism.
 
@@ -193,8 +200,8 @@ def ledger(
       the one stage also holds the final LayerNorm and the LM head; with pp > 1 those live on
       the last stage (which, for tied embeddings, keeps its own copy of the table).
     - DP divides nothing: every replica holds the full state, unless ZeRO shards it over the
-      dp replicas (the ZeRO paper's 2Ψ + 2Ψ + KΨ, K = 12): stage 1 (`zero=1`, or zero1=True)
-      divides the optimizer states by dp, stage 2 the gradients too, stage 3 the weights too.
+      dp replicas (the ZeRO paper's 2Ψ + 2Ψ + KΨ, K = 12): stage 1 (`zero=1`) divides
+      the optimizer states by dp, stage 2 the gradients too, stage 3 the weights too.
       (ZeRO-3's all-gathered block during a step is not counted: one layer's weights.)
     - Activations: per-layer bytes (activation_bytes_per_layer, for one micro-batch of
       config.micro_batch sequences) × layers on the stage × micro-batches in flight. Under the
@@ -202,8 +209,8 @@ def ledger(
       assumes at least pp micro-batches per step; pp = 1 gives 1). The embedding and logits
       activations are left out (the paper shows they are small next to L layers).
 
-    Many parameters because each is one variable of the memory formula (layout, SP, recompute,
-    ZeRO, bytes per value), set one by one as the calculator's widgets do.
+    `per_param` (BytesPerParam) holds the bytes of one parameter's weight, gradient and
+    optimizer states.
     """
     check_parallel(config, tp, pp, dp)
     c = config
@@ -218,19 +225,19 @@ def ledger(
     else:
         other = 0
     params = in_layers + embedding + other
-    zero = max(zero, 1) if zero1 else zero
     w_div, g_div, o_div = (dp if zero >= k else 1 for k in (3, 2, 1))
-    per_param = weight_bytes / w_div + grad_bytes / g_div + optimizer_bytes / o_div
+    b = per_param
+    each = b.weight / w_div + b.grad / g_div + b.optimizer / o_div  # bytes per parameter here
     acts = activation_bytes_per_layer(
         c.seq_len, c.micro_batch, c.hidden, c.n_heads, tp, sp, recompute
     )
     return Ledger(
-        weights=params * weight_bytes / w_div,
-        gradients=params * grad_bytes / g_div,
-        optimizer=params * optimizer_bytes / o_div,
+        weights=params * b.weight / w_div,
+        gradients=params * b.grad / g_div,
+        optimizer=params * b.optimizer / o_div,
         activations=acts * layers * pp,
         params=params,
-        embedding=embedding * per_param,
+        embedding=embedding * each,
         label=f"tp={tp} pp={pp} dp={dp}"
         + (" sp" if sp else "")
         + (f" recompute={recompute}" if recompute != "none" else "")

@@ -244,7 +244,7 @@ def check_pipeline() -> tuple[bool, str]:
             list(ids.chunk(2)),
             list(tgt.chunk(2)),
             (2, 6, GPT2.hidden),
-            recv_timeout=1.0,
+            options=pipeline.StepOptions(recv_timeout=1.0),
         )
     except pipeline.PipelineTimeout as e:
         return False, str(e).split(": the stages")[0]

@@ -154,7 +154,7 @@ def _pipeline_step(n_micro: int) -> tuple[bool, str]:
             list(ids.chunk(n_micro)),
             list(tgt.chunk(n_micro)),
             (2, 6, bugzoo.GPT2.hidden),
-            recv_timeout=RECV_TIMEOUT,
+            options=pipeline.StepOptions(recv_timeout=RECV_TIMEOUT),
         )
     except pipeline.PipelineTimeout as e:
         return False, str(e).split(": the stages")[0]

@@ -36,6 +36,7 @@ from tpedu.parallel.data_parallel import DataParallel
 from tpedu.parallel.mesh import Mesh
 from tpedu.parallel.pipeline.runtime import (
     Pipe,
+    StepOptions,
     StepResult,
     run_schedule,
     sync_tied_grads,
@@ -180,8 +181,8 @@ class TrainStep:
             aux_loss_scale(scale / len(xs)),
         ):
             res = run_schedule(
-                chunks, self.actions, self.pipe, xs, ys, self.shape, self.dtype, step=k,
-                no_sync=no_sync, loss_scale=scale,
+                chunks, self.actions, self.pipe, xs, ys, self.shape, self.dtype,
+                StepOptions(step=k, no_sync=no_sync, loss_scale=scale),
             )  # fmt: skip
         sharded = isinstance(dpar, ShardedDataParallel)
         if dpar is not None and not sharded:

@@ -16,7 +16,7 @@ from tpedu.analysis.dryrun.figures import (
     Term,
     count_noun,
 )
-from tpedu.analysis.memory import Ledger, activation_bytes_per_layer, ledger
+from tpedu.analysis.memory import BytesPerParam, Ledger, activation_bytes_per_layer, ledger
 from tpedu.analysis.shape import ModelShape, layer_params
 from tpedu.model.config import GPTConfig
 from tpedu.parallel.config import ParallelConfig
@@ -378,10 +378,8 @@ def memory_comparisons(
             dp,
             parallel.sequence_parallel,
             parallel.recompute,
-            weight_bytes=VALUE_BYTES,
-            grad_bytes=VALUE_BYTES,
-            optimizer_bytes=ADAMW_BYTES,
-            zero=zero,
+            zero,
+            BytesPerParam(VALUE_BYTES, VALUE_BYTES, ADAMW_BYTES),
         )
 
     try:

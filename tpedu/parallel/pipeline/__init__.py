@@ -1,7 +1,8 @@
 """Lesson 11: pipeline parallelism: pure schedules, and the runtime that runs them on ranks.
 
     schedules  stage partition, GPipe / 1F1B / interleaved schedules, bubble, simulation, timeline
-    runtime    Pipe, run_schedule (the schedule on real ranks), stage chunks, tied-embedding grads
+    runtime    Pipe, run_schedule (the schedule on real ranks) and its StepOptions, stage chunks,
+               tied-embedding grads
 
 Every public name of both is re-exported here.
 """
@@ -9,6 +10,7 @@ Every public name of both is re-exported here.
 from tpedu.parallel.pipeline.runtime import (
     Pipe,
     PipelineTimeout,
+    StepOptions,
     StepResult,
     build_stage_chunks,
     run_schedule,
@@ -37,6 +39,7 @@ __all__ = [
     "Event",
     "Pipe",
     "PipelineTimeout",
+    "StepOptions",
     "StepResult",
     "bubble_formula",
     "bubble_fraction",

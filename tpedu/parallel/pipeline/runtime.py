@@ -77,6 +77,17 @@ class StepResult:
     peak_in_flight: int = 0
 
 
+@dataclass(frozen=True)
+class StepOptions:
+    """How one pipelined step runs beside its data: what training and debugging set, all
+    defaulted for a plain step (a lesson calls run_schedule without them)."""
+
+    step: int = 0  # the optimizer step, handed to every chunk (chunk(x, targets, step=))
+    no_sync: Callable[[], object] | None = None  # e.g. DataParallel.no_sync
+    loss_scale: float = 1.0  # fp16 loss scaling: the last stage's loss times this in backward
+    recv_timeout: float | None = None  # seconds a receive waits (None: forever)
+
+
 def run_schedule(
     chunks: Sequence[nn.Module],
     actions: Sequence[Action],
@@ -85,10 +96,7 @@ def run_schedule(
     targets: Sequence[torch.Tensor] | None,
     hidden_shape: Sequence[int],
     dtype: torch.dtype = torch.float32,
-    step: int = 0,
-    no_sync: Callable[[], object] | None = None,
-    recv_timeout: float | None = None,
-    loss_scale: float = 1.0,
+    options: StepOptions = StepOptions(),
 ) -> StepResult:
     """Run this rank's `actions` on its model `chunks`; backward leaves gradients in .grad.
 
@@ -97,18 +105,17 @@ def run_schedule(
     targets[mb] on the last; hidden_shape = [b, s, H] of one micro-batch's activations.
     The returned loss is Σ_mb loss_mb / m: the mean over micro-batches, as one big batch gives
     when every micro-batch has the same number of counted tokens.
-    `no_sync()` (e.g. DataParallel.no_sync) wraps every backward except the last micro-batch's,
-    so gradient all-reduces run once, in the last backward. Without backward actions this is a
-    forward-only pass (evaluation: call it under torch.no_grad()). `loss_scale` multiplies the
-    last stage's loss before its backward (fp16 loss scaling; the returned loss is unscaled).
+    `options` (StepOptions) holds the rest: `step` goes to every chunk; `no_sync()` (e.g.
+    DataParallel.no_sync) wraps every backward except the last micro-batch's, so gradient
+    all-reduces run once, in the last backward; `loss_scale` multiplies the last stage's loss
+    before its backward (fp16 loss scaling; the returned loss is unscaled); a receive waiting
+    longer than `recv_timeout` seconds raises PipelineTimeout. Without backward actions this is
+    a forward-only pass (evaluation: call it under torch.no_grad()).
     Communication per micro-batch and stage boundary: forward 1 send/recv of [b, s, H];
     backward 1 send/recv of its gradient.
 
     Long because it is one loop over the actions: every send and receive of a step in the order
     they happen, which is what a schedule is (split, the order would be spread over helpers).
-
-    Many parameters because it takes a step apart (chunks, actions, pipe, data, fp16's scale,
-    DP's hook) as a lesson calls it; training passes them from one TrainStep.
     """
     p, s = pipe.stages, pipe.stage
     last_vs = p * len(chunks) - 1
@@ -125,10 +132,10 @@ def run_schedule(
         buf = torch.empty(tuple(hidden_shape), dtype=dtype, device=device)
         work = collectives.irecv(buf, src, group)
         try:
-            if recv_timeout is None:
+            if options.recv_timeout is None:
                 work.wait()
             else:
-                work.wait(datetime.timedelta(seconds=recv_timeout))
+                work.wait(datetime.timedelta(seconds=options.recv_timeout))
         except RuntimeError as e:
             raise PipelineTimeout(
                 f"pipeline stage {s} (rank {pipe.ranks[s]}) gave up waiting for {what} from rank "
@@ -155,7 +162,7 @@ def run_schedule(
                 )
                 x.requires_grad_(torch.is_grad_enabled())
             with recorder.label(f"F{mb}" if len(chunks) == 1 else f"F{mb}.{c}"):  # rank clocks
-                out = chunks[c](x, targets[mb] if vs == last_vs else None, step=step)
+                out = chunks[c](x, targets[mb] if vs == last_vs else None, step=options.step)
             if vs == last_vs:
                 out = out / n_micro
                 total = out.detach() if total is None else total + out.detach()
@@ -177,11 +184,11 @@ def run_schedule(
             elif vs != last_vs:
                 group = _edge(pipe, s + 1, s, "bwd")
                 grad = receive(next_rank, group, f"the gradient of micro-batch {mb}")
-            sync = no_sync is None or mb == n_micro - 1
-            if vs == last_vs and loss_scale != 1.0:
-                out = out * loss_scale
+            sync = options.no_sync is None or mb == n_micro - 1
+            if vs == last_vs and options.loss_scale != 1.0:
+                out = out * options.loss_scale
             with (
-                nullcontext() if sync else no_sync(),
+                nullcontext() if sync else options.no_sync(),
                 recorder.label(f"B{mb}" if len(chunks) == 1 else f"B{mb}.{c}"),
             ):
                 torch.autograd.backward(out, grad)
