@@ -85,7 +85,7 @@ def test_marks_with_data_keep_it_in_the_trace():
     """A ZeRO buffer's gather / free mark carries the buffer's name and bytes into the trace;
     a plain mark (a step boundary) carries none."""
     log = RankLog(0, "run", [Mark("step 0", 0.0), Mark("gather", 0.5, "block 1", 4096)])
-    marks = [e for e in trace.recorded_events([log]) if e["ph"] == "i"]
+    marks = [e for e in trace.recorded_trace([log]) if e["ph"] == "i"]
     assert [m.get("args") for m in marks] == [None, {"what": "block 1", "bytes": 4096}]
     check_trace_format({"traceEvents": marks})
 

@@ -59,7 +59,7 @@ def _x(name: str, pid: int, tid: int, start: float, end: float, **args: object) 
     return {"name": name, "ph": "X", "pid": pid, "tid": tid, "ts": ts, "dur": te - ts, "args": args}
 
 
-def recorded_events(logs: list[RankLog]) -> list[dict]:
+def recorded_trace(logs: list[RankLog]) -> list[dict]:
     """The measured timelines: every span as it happened, wall clock from the first span."""
     check_logs(logs)
     t0 = min(s.wall if isinstance(s, Mark) else s.wall_start for log in logs for s in log.spans[:1])
@@ -90,7 +90,7 @@ def recorded_events(logs: list[RankLog]) -> list[dict]:
     return out
 
 
-def replayed_events(timeline: Timeline, label: str) -> list[dict]:
+def replayed_trace(timeline: Timeline, label: str) -> list[dict]:
     """A replay's timelines (pid REPLAYED + rank), labelled e.g. 'replayed, loopback link'."""
     out = []
     for r in timeline.ranks:
@@ -122,8 +122,6 @@ def write(
     else:
         ab = f"α {link.alpha * 1e6:.0f} µs, {link.bandwidth / 1e9:.2f} GB/s"
         name = f"{link_name or 'link'}: {ab}"
-    events = recorded_events(logs) + replayed_events(
-        timeline, f"replayed (a core per rank, {name})"
-    )
+    events = recorded_trace(logs) + replayed_trace(timeline, f"replayed (a core per rank, {name})")
     path.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
     return timeline
