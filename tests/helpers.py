@@ -6,6 +6,7 @@ import this file too, and the grader starts them often."""
 
 import json
 from contextlib import contextmanager
+from dataclasses import asdict
 
 import pytest
 import torch
@@ -201,11 +202,11 @@ def make_artefacts(work, choice, steps=4, new=8, why=None):
     (work / "resumed.json").write_text(json.dumps(run[0]))
     prompt = tok.encode("宝玉")
     ids = {
-        str(tp): capstone.serve(work / "resumed", prompt, new, tp, **capstone.SAMPLING)
+        str(tp): capstone.serve(work / "resumed", prompt, new, tp, capstone.SAMPLING)
         for tp in sorted({1, choice.tp})
     }
     text = tok.decode(ids["1"][len(prompt) :])
-    gen = {"prompt": prompt, "max_new_tokens": new, "sampling": capstone.SAMPLING}
+    gen = {"prompt": prompt, "max_new_tokens": new, "sampling": asdict(capstone.SAMPLING)}
     gen |= {"ids": ids, "text": text}
     (work / "generated.json").write_text(json.dumps(gen, ensure_ascii=False))
     return work

@@ -9,6 +9,7 @@ import importlib.util
 import json
 import math
 import shutil
+from dataclasses import asdict
 
 import pytest
 import torch
@@ -344,6 +345,23 @@ def test_a_hand_written_generated_json_says_where_it_differs(work):
     check = next(c for c in capstone.check_capstone(work) if not c.ok)
     new = json.loads((work / "generated.json").read_text())["max_new_tokens"]
     assert f"not what resumed/ generates: they differ from new token {new - 1} on" in check.detail
+
+
+def test_sampling_with_an_unknown_key_is_refused_before_serving(tmp_path):
+    """generated.json's sampling is read back as a Sampling: a key Sampling lacks fails the
+    check with one line naming it and the fix, before any rank is launched (there is no
+    checkpoint to serve here). serve itself takes a Sampling, not the recorded dict."""
+    capstone.write_choice(tmp_path, CHOICE, "tp=2 pp=2 dp=1")
+    sampling = {**asdict(capstone.SAMPLING), "topk": 10}
+    gen = {"prompt": [1, 2], "max_new_tokens": 1, "sampling": sampling}
+    gen |= {"ids": {"1": [1, 2, 3], "2": [1, 2, 3]}, "text": "x"}
+    (tmp_path / "generated.json").write_text(json.dumps(gen))
+    check = by_name(capstone.check_capstone(tmp_path))["the served text is the checkpoint's"]
+    assert not check.ok and "\n" not in str(check)
+    assert "sampling has an unknown key 'topk'" in check.detail
+    assert "dataclasses.asdict(Sampling(...))" in check.detail
+    with pytest.raises(TypeError, match="not a Sampling"):
+        capstone.serve(tmp_path / "resumed", [1, 2], 1, 1, asdict(capstone.SAMPLING))
 
 
 # ------------------------------------------------------------------------------ whose choice

@@ -18,7 +18,8 @@ result. Every step writes into one work directory:
     resharded/      one of ckpt's steps before the end, resharded to another layout (e.g. tp 1)
     resumed/        the run resumed from resharded/ on its layout: its checkpoint at the end
     resumed.json    that run's summary
-    generated.json  {"prompt": ids, "max_new_tokens": n, "sampling": stream's settings,
+    generated.json  {"prompt": ids, "max_new_tokens": n, "sampling":
+                    dataclasses.asdict of the Sampling it was served with (`SAMPLING`),
                     "ids": {"<tp>": prompt + new ids, ...}, "text": the continuation}, served
                     with the KV cache from resumed/ at tp 1 and at the chosen layout's tp
 
@@ -39,7 +40,7 @@ import re
 import statistics
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from types import ModuleType
 
@@ -65,7 +66,7 @@ MB = 10**6
 # How the capstone serves: sampled, not greedy. Greedy decoding of a model this small loops
 # ("我们不知道，我们不知道，..."); a low temperature and the 10 likeliest characters keep
 # the novel's phrasing without the loop. The seed makes it one fixed continuation.
-SAMPLING = {"temperature": 0.6, "top_k": 10, "seed": 0}
+SAMPLING = Sampling(temperature=0.6, top_k=10, seed=0)
 # float32 resumed on another layout: the same arithmetic with the sums in another order (TP
 # all-reduces, pipeline micro-batches), ~1e-7 relative per step; a wrong step, learning rate
 # or optimizer state is off by 1e-3 or more
@@ -235,20 +236,46 @@ def write_choice(
     return path
 
 
-def _serve(config: GPTConfig, path: str, prompt: list[int], new: int, sampling: dict) -> list:
+def _serve(config: GPTConfig, path: str, prompt: list[int], new: int, sampling: Sampling) -> list:
     model = TPGPT(DenseGPT(config)).to(device())  # this rank's shards, overwritten by load
     checkpoint.load(path, model)  # any saved layout -> this rank's shards
-    return generate_batch(model.eval(), [prompt], new, Sampling(**sampling))[0]
+    return generate_batch(model.eval(), [prompt], new, sampling)[0]
 
 
-def serve(path: str | Path, prompt: list[int], new: int, tp: int = 1, **sampling: object) -> list:
+def serve(
+    path: str | Path, prompt: list[int], new: int, tp: int = 1, sampling: Sampling = Sampling()
+) -> list:
     """prompt + `new` tokens generated with the KV cache by `tp` ranks, each loading its shards
-    of the checkpoint `path`; `sampling`: Sampling's fields, as generated.json records them."""
+    of the checkpoint `path`, every rank with the same `sampling` (generated.json records it as
+    `dataclasses.asdict(sampling)`)."""
+    if not isinstance(sampling, Sampling):
+        raise TypeError(
+            f"serve's sampling is a {type(sampling).__name__}, not a Sampling: pass "
+            "tpedu.serve.generate.Sampling(...) (from a recorded dict: Sampling(**recorded))"
+        )
     config = checkpoint.read_config(path)
-    return launch(_serve, tp, config, str(path), list(prompt), new, dict(sampling))[0]
+    return launch(_serve, tp, config, str(path), list(prompt), new, sampling)[0]
 
 
 # ------------------------------------------------------------------------------ the checks
+
+
+def _recorded_sampling(recorded: object) -> Sampling:
+    """generated.json's "sampling" (`dataclasses.asdict` of a Sampling) as that Sampling. An
+    unknown key (a typo, a field Sampling lacks) is refused, not dropped: serving without it
+    would check the ids against other settings than the ones recorded."""
+    if not isinstance(recorded, dict):
+        raise ValueError(
+            f"generated.json's sampling is {recorded!r}: record dataclasses.asdict(Sampling(...))"
+        )
+    known = [f.name for f in fields(Sampling)]
+    unknown = [k for k in recorded if k not in known]
+    if unknown:
+        raise ValueError(
+            f"generated.json's sampling has an unknown key {unknown[0]!r}: record "
+            f"dataclasses.asdict(Sampling(...)), whose keys are {', '.join(known)}"
+        )
+    return Sampling(**recorded)
 
 
 def _read_json(path: Path) -> dict:
@@ -487,7 +514,7 @@ def _check_generation(work: Path) -> str:
     tp, with its recorded settings; the stored ids and text must be what that gives."""
     choice, gen = _choice(work), _read_json(work / "generated.json")
     prompt, new, ids = gen["prompt"], gen["max_new_tokens"], gen["ids"]
-    sampling = dict(gen.get("sampling") or {"greedy": True})
+    sampling = _recorded_sampling(gen.get("sampling") or {"greedy": True})
     need = sorted({"1", str(choice.tp)})
     if not isinstance(new, int) or new < 1:
         raise ValueError(f"generated.json asks for {new!r} new tokens: serve at least one")
@@ -499,7 +526,7 @@ def _check_generation(work: Path) -> str:
                 f"tp {tp}: {len(seq)} ids, expected the prompt's {len(prompt)} + {new} new"
             )
     served = work / "resumed"
-    again = {tp: serve(served, prompt, new, int(tp), **sampling) for tp in need}
+    again = {tp: serve(served, prompt, new, int(tp), sampling) for tp in need}
     if len({tuple(seq) for seq in again.values()}) != 1:
         raise ValueError(f"resumed/ serves other ids at tp {' and tp '.join(need)}")
     wrong = [tp for tp in need if ids[tp] != again[tp]]
@@ -515,10 +542,10 @@ def _check_generation(work: Path) -> str:
     tok = tokenizer.load(step_dir / "tokenizer.json")
     if gen.get("text") != tok.decode(again["1"][len(prompt) :]):
         raise ValueError("generated.json's text is not the decoding of its ids")
-    if sampling.get("greedy") or sampling.get("temperature") == 0:
+    if sampling.greedy or sampling.temperature == 0:
         how = "greedy"
     else:
-        how = ", ".join(f"{k} {v}" for k, v in sorted(sampling.items()))
+        how = f"seed {sampling.seed}, temperature {sampling.temperature}, top_k {sampling.top_k}"
     return (
         f"{new} new tokens ({how}) generated again from {step_dir.name} at tp "
         f"{' and '.join(need)}: the same ids and text as generated.json"
