@@ -49,6 +49,7 @@ from tpedu.analysis.activation_memory import SavedTensorCounter
 from tpedu.analysis.memory import peak_rss_growth
 from tpedu.analysis.shape import ModelShape
 from tpedu.analysis.whatif import H100_SXM, long_context
+from tpedu.cp.gradients import sum_over_cp
 from tpedu.cp.ring import LAYOUTS, chunk_positions, ring_attention, split_sequence
 from tpedu.model.config import GPTConfig
 from tpedu.model.dense import DenseGPT
@@ -106,6 +107,7 @@ def make_step(
         loss = model(mine_ids, mine_tgt)
         loss.backward()
         model.sync_grads()
+        sum_over_cp(model.parameters(), model.cp_group)
         opt.step()
         losses.setdefault(name, loss.item())
 

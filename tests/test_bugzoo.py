@@ -84,7 +84,6 @@ def test_patches_are_undone_and_names_checked():
             schedules.one_f_one_b,
             gpt.index_dropout,
             ring.merge_partials,
-            gpt.all_reduce_context_parallel_grads,
             gpt.chunk_positions,
             zero.FlatBuffer.finish_grads,
             zero.ShardedDataParallel.step,

@@ -161,7 +161,10 @@ def test_loaded_tensors_are_bit_identical_after_offline_reshard(grid, tmp_path):
             assert torch.equal(got[k], src[k]), f"({tp}, {pp}) {k}"
 
 
-def test_zero1_spreads_the_writing_over_dp_ranks(grid):
+def test_the_writing_is_spread_over_the_replicas_with_or_without_zero(grid):
+    """One rule, read from the placements: each tensor is written once, by one of the ranks
+    holding a copy; the DP replicas share the writing (ZeRO or not), tp rank 0 writes the
+    replicated tensors."""
     root, _ = grid
     step_dir, index = checkpoint.read_index(root / f"src{GRID[5]}")  # (2, 1, 2) ZeRO-1
     every = {f"tp{t}-pp0-dp{d}.safetensors" for t in (0, 1) for d in (0, 1)}
@@ -172,7 +175,8 @@ def test_zero1_spreads_the_writing_over_dp_ranks(grid):
         files = [s["file"] for s in e["shards"]]
         assert len(files) == len(set(files)) == (1 if e["kind"] == "replicated" else 2), key
     _, plain = checkpoint.read_index(root / f"src{GRID[4]}")  # (1, 1, 2) without ZeRO
-    assert set(plain["files"]) == {"tp0-pp0-dp0.safetensors"}  # dp rank 1 writes nothing
+    assert set(plain["files"]) == {"tp0-pp0-dp0.safetensors", "tp0-pp0-dp1.safetensors"}
+    assert all(len(e["shards"]) == 1 for e in plain["tensors"].values())  # each once
     assert index["tokens_seen"] == 2 * CFG.batch * CONFIG.seq_len and index["step"] == 2
     assert (step_dir.parent / "latest").read_text().strip() == "step_00000002"
 

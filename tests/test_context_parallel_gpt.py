@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from tpedu import launch
+from tpedu.cp.gradients import sum_over_cp
 from tpedu.cp.ring import split_sequence
 from tpedu.model import TPGPT, DenseGPT, GPTConfig
 from tpedu.model.options import RunOptions
@@ -50,6 +51,7 @@ def _cp_vs_dense(name: str, tp: int, strategy: str, layout: str, recompute: str 
     loss = model(*mine)
     loss.backward()
     model.sync_grads()
+    sum_over_cp(model.parameters(), cp_group)
     grads = model.gather_state_dict(grads=True)
     ref = {k: p.grad for k, p in dense.named_parameters()}
     worst = max(

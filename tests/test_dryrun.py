@@ -232,7 +232,10 @@ def test_long_context_layout_splits_activations_and_sends_the_ring():
     block = 1 * (32 // 4) * (s // 2) * (4096 // 32) * 4  # [b, kv_heads/tp, s/cp, d] fp32
     assert cp["send", "forward"].calls == 2 * 2 and cp["send", "backward"].calls == 2 * 6
     assert cp["send", "forward"].bytes == 4 * block and cp["recv", "backward"].bytes == 12 * block
-    assert cp["all_reduce", "grad_sync"].bytes == f.weights  # every gradient, once
+    # every gradient once, in DP's buckets during backward over dp·cp, not a sum over CP after
+    assert ("all_reduce", "grad_sync") not in cp
+    dp = {(t.op, t.phase): t for t in f.traffic if t.group == "dp"}
+    assert dp["all_reduce", "backward"].bytes == f.weights
 
 
 def test_cli_dry_runs_context_parallel_layouts(capfd):

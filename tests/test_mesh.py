@@ -50,10 +50,31 @@ def test_each_axis_groups_the_ranks_that_differ_only_there(lay):
 
 def test_group_names_and_groups():
     assert Layout(2, 2, 2).group_names() == ("tp", "pp", "dp", "emb")  # cp 1: no CP group
-    assert Layout(2, 1, 1, cp=2).group_names() == ("tp", "cp", "pp", "dp", "emb")
-    assert list(Layout(2, 1, 1, cp=2).groups()) == ["tp", "cp", "pp", "dp", "emb"]
+    folded = ("tp", "cp", "pp", "dp", "emb", "dp_cp")  # cp 2: the gradients' dp·cp group
+    assert Layout(2, 1, 1, cp=2).group_names() == folded
+    assert list(Layout(2, 1, 1, cp=2).groups()) == list(folded)
     assert Layout(2, 1, 1).groups()["emb"] == []  # one stage: nothing tied to sum
     assert Layout(1, 3, 1).groups()["emb"] == [[0, 2]]
+
+
+@pytest.mark.parametrize("lay", [Layout(2, 2, 2, cp=2), Layout(1, 1, 4, cp=3, ep=2)])
+def test_the_gradient_groups_fold_cp_into_dp(lay):
+    """dp_cp: the ranks of one (tp, pp) position over every cp and dp index, the union of the
+    DP groups of one CP group's members; edp_cp: those of one ep_rank. Each tiles the world."""
+    groups = lay.groups()
+    dp_of = {r: g for g in groups["dp"] for r in g}
+    for kind, size in (("dp_cp", lay.dp * lay.cp), ("edp_cp", lay.dp // lay.ep * lay.cp)):
+        got = groups.get(kind, groups["dp_cp"])  # ep 1: edp_cp is dp_cp
+        assert sorted(r for g in got for r in g) == list(range(lay.world))
+        assert all(len(g) == (size if kind in groups else lay.dp * lay.cp) for g in got)
+        for g in got:
+            assert len({(lay.coords(r)["tp"], lay.coords(r)["pp"]) for r in g}) == 1
+    for g in groups["dp_cp"]:
+        cps = next(c for c in groups["cp"] if g[0] in c)
+        assert sorted(r for c in cps for r in dp_of[c]) == g
+    for g in groups.get("edp_cp", []):
+        assert len({lay.expert_coords(r)["ep"] for r in g}) == 1
+    assert "dp_cp" not in Layout(2, 2, 2).group_names()  # cp 1: the DP group is it
 
 
 def test_checkpoint_files_are_named_by_the_checkpoint_axes():
@@ -83,7 +104,8 @@ def test_expert_groups_are_carved_from_the_dp_groups(lay):
     tile every DP group exactly: each rank in one ep group and one edp group, both inside
     its DP group; the world is unchanged."""
     assert lay.world == lay.tp * lay.cp * lay.pp * lay.dp
-    assert lay.group_names()[-2:] == ("ep", "edp")
+    names = lay.group_names()
+    assert names[names.index("emb") + 1 :][:2] == ("ep", "edp")
     groups = lay.groups()
     dp_of = {r: g for g in groups["dp"] for r in g}
     for kind, size in (("ep", lay.ep), ("edp", lay.dp // lay.ep)):

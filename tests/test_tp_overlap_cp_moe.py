@@ -27,6 +27,7 @@ import torch.distributed as dist
 from tests.helpers import cli, one_line_error
 from tpedu import launch
 from tpedu.comm.tracer import CommTracer
+from tpedu.cp.gradients import sum_over_cp
 from tpedu.cp.ring import split_sequence
 from tpedu.model.config import GPTConfig
 from tpedu.model.dense import DenseGPT
@@ -126,6 +127,7 @@ def _cp_worker(tp):
                 loss = model(*mine, step=2)
                 loss.backward()
             model.sync_grads()
+            sum_over_cp(model.parameters(), cp_group)
             grads = model.gather_state_dict(grads=True)
             res[overlap] = (loss.detach(), grads, _sums(trace, recompute))
         (l0, g0, s0), (l1, g1, s1) = res["none"], res["chunks"]

@@ -67,7 +67,7 @@ def test_mesh_order_is_tp_then_cp_then_pp_then_dp():
     assert lay.coords(13) == {"tp": 1, "cp": 0, "pp": 1, "dp": 1}  # 13 = 1 + 2·(0 + 2·(1 + 2·1))
     for r in range(16):
         assert lay.rank(**lay.coords(r)) == r
-    assert lay.group_names() == ("tp", "cp", "pp", "dp", "emb")
+    assert lay.group_names() == ("tp", "cp", "pp", "dp", "emb", "dp_cp")
     assert Layout(2, 2, 2).groups() == {  # cp = 1: the 3D mesh as before
         "tp": [[0, 1], [2, 3], [4, 5], [6, 7]],
         "pp": [[0, 2], [1, 3], [4, 6], [5, 7]],

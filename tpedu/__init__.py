@@ -36,6 +36,7 @@ imports only its own layer and those below it: tests/test_structure.py checks it
         ulysses           Ulysses attention: all-to-all from sequence shards to head shards and back
         balance           causal attention work per CP rank, contiguous vs zig-zag
         traffic           what CP sends, as formulas the tracer checks, and their α-β time
+        gradients         the gradients' sum over the CP ranks (training folds it into DP's)
     moe/                  mixture of experts and expert parallelism (lesson 18)
         router            the top-k router, its capacity and token dropping, the auxiliary losses
         dense             DenseMoE, every expert on one process: the reference

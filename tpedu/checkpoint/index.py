@@ -26,13 +26,15 @@ and sharded by kind, the same rules the model uses to build its shards:
     vocab       [V, H]                rows of the table padded to Vp        cat, drop padding
 
 Optimizer state (AdamW's exp_avg, exp_avg_sq, step) is stored as `exp_avg/<name>` etc., sharded
-exactly like its parameter. Data-parallel replicas hold identical copies, so only dp rank 0
-writes them; with ZeRO (any stage) the dp ranks share the writing, whole tensors each with their
-optimizer state, about 1/dp per rank (`state_writers`), gathered from the shards one flat buffer
-at a time, and each rank loads only its shards' elements: no rank ever holds the whole stage.
-With expert parallelism each EP rank writes its own experts (named by their global index, as
-in the dense model) into its dp file. On disk, then, a checkpoint depends only on (tp, pp):
-loading at any dp, ep and ZeRO stage just reads the files, each rank the tensors it holds.
+exactly like its parameter. Every tensor is written once, by one of the ranks holding a copy,
+read from its placements (tpedu.comm.placement): the ranks of its gradient group (the DP
+replicas, or an expert's replicas over edp) share the writing, whole tensors each with their
+optimizer state, about 1/n per rank (`state_writers`); CP ranks, whose copies are the same and
+which files are not named by, leave it to cp rank 0. With ZeRO the whole tensors are gathered
+from the shards one flat buffer at a time, and each rank loads only its shards' elements: no
+rank ever holds the whole stage. Experts are named by their global index, as in the dense
+model. On disk, then, a checkpoint depends only on (tp, pp): loading at any dp, ep and ZeRO
+stage just reads the files, each rank the tensors it holds.
 
 "RNG state": tpedu's dropout masks are a hash of (seed, layer, call site, step, element index)
 and batches come from a generator seeded by (seed, step), so after initialisation the training

@@ -34,7 +34,7 @@ from tpedu.checkpoint.index import (
     shard_file,
     step_name,
 )
-from tpedu.comm.placement import sharded_on
+from tpedu.comm.placement import gradient_group
 from tpedu.model.config import GPTConfig
 from tpedu.model.gpt import TPGPT
 from tpedu.model.state import (
@@ -42,7 +42,7 @@ from tpedu.model.state import (
     shard_map,
 )
 from tpedu.parallel.config import ParallelConfig
-from tpedu.parallel.mesh import CHECKPOINT_AXES, Layout
+from tpedu.parallel.mesh import AXIS_NAMES, CHECKPOINT_AXES, Layout
 
 
 def prepare_step(root: Path, step: int) -> Path:
@@ -207,9 +207,8 @@ def save(
         error = e
     agree(error, f"preparing {tmp}")
     try:
-        dp_size = layout.dp if parallel.zero else 1  # how many dp ranks write optimizer state
-        tensors, kinds = _rank_tensors(chunks, opt, coords, dp_size, layout)
-        if tensors and coords["cp"] == 0:  # CP ranks hold the same shards, as replicas do
+        tensors, kinds = _rank_tensors(chunks, opt, coords, layout)
+        if tensors:
             write_shard(tmp, coords, tensors, kinds)
     except Exception as e:  # reported to every rank by agree
         error = e
@@ -233,27 +232,40 @@ def _ranks_layout(tp: int, cp: int, pp: int) -> Layout:
     return Layout(tp=tp, pp=pp, dp=max(1, dist.get_world_size() // (tp * cp * pp)), cp=cp)
 
 
+def writers(layout: Layout, kind: str, rank: int) -> list[int]:
+    """The ranks that share the writing of the tensors whose copies are `rank`'s group of
+    `kind` (a gradient group: the ranks holding the same elements): those of it a file is
+    named for, whose coordinate on every axis outside the file names (cp) is 0."""
+    unnamed = [a for a in AXIS_NAMES if a not in CHECKPOINT_AXES]
+    group = layout.group_of(kind, rank)
+    return [r for r in group if not any(layout.coords(r)[a] for a in unnamed)]
+
+
 def _rank_tensors(
-    chunks: list[TPGPT], opt: object | None, coords: dict[str, int], dp_size: int, layout: Layout
+    chunks: list[TPGPT], opt: object | None, coords: dict[str, int], layout: Layout
 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """What this rank writes: the tensors `state_writers` gives its dp rank of `dp_size` (1, no
-    ZeRO: dp rank 0 writes them all), each with the optimizer state it holds; replicated ones
-    by tp rank 0 only. With expert parallelism (ep > 1) each EP rank's own experts are written
-    by it, from the first of their replicas (edp index 0), into its dp file: a tensor split
-    over ep (its placement) has no copy on another EP rank to write it.
+    """What this rank writes, each tensor with the optimizer state it holds. One rule, read
+    from the placements: a tensor is written once, by one of the ranks holding a copy of it.
+    Over TP a replicated tensor's copies are the TP ranks', and tp rank 0 writes it. Over the
+    rest, its copies are its gradient group's ranks (tpedu.comm.placement.gradient_group: the
+    DP replicas and CP ranks, or an expert's replicas), and `state_writers` balances the
+    tensors of each group over its `writers`, about 1/n each, largest first.
     ZeRO (an `opt` with `whole_tensors`) hands them over whole from its shards, one buffer at a
-    time: collective over DP."""
-    tp_rank, dp_rank, ep = coords["tp"], coords["dp"], layout.ep
+    time: collective over its groups."""
+    rank, tp_rank = layout.rank(**coords), coords["tp"]
     entries = [
         e
         for e in shard_map(chunks)
         if not (e.tied_copy or (e.stored_kind == "replicated" and tp_rank))
     ]
-    experts = [e for e in entries if ep > 1 and sharded_on(e.placements, "ep")]
-    entries = [e for e in entries if not (ep > 1 and sharded_on(e.placements, "ep"))]
-    writers = state_writers([e.param.numel() for e in entries], dp_size)
-    mine = [e for e, writer in zip(entries, writers, strict=True) if writer == dp_rank]
-    mine += experts if layout.expert_coords(layout.rank(**coords))["edp"] == 0 else []
+    by_group: dict[str, list] = {}
+    for e in entries:
+        by_group.setdefault(layout.present(gradient_group(e.placements)), []).append(e)
+    mine = []
+    for kind, group in by_group.items():
+        ranks = writers(layout, kind, rank)
+        who = state_writers([e.param.numel() for e in group], len(ranks))
+        mine += [e for e, w in zip(group, who, strict=True) if ranks[w] == rank]
     if hasattr(opt, "whole_tensors"):
         got = opt.whole_tensors({id(e.param) for e in mine})
     else:

@@ -50,8 +50,15 @@ from tpedu.comm import collectives
 from tpedu.comm.device import device
 from tpedu.course.mutation import Mutation, patched
 from tpedu.course.troubleshoot import TOLERANCE, compare_with_dense, summary
-from tpedu.course.zoo_training import GPT2, check_ep_step, check_zero2_step, check_zero3_step
+from tpedu.course.zoo_training import (
+    GPT2,
+    check_cp_train_step,
+    check_ep_step,
+    check_zero2_step,
+    check_zero3_step,
+)
 from tpedu.cp import ring
+from tpedu.cp.gradients import sum_over_cp
 from tpedu.model import gpt
 from tpedu.model.options import RunOptions
 from tpedu.parallel import mesh, pipeline, zero
@@ -284,6 +291,7 @@ def check_cp_step() -> tuple[bool, str]:
     loss = tp_model(*(split_sequence(t, world, rank, "zigzag", dim=1) for t in (ids, tgt)))
     loss.backward()
     tp_model.sync_grads()
+    sum_over_cp(tp_model.parameters(), cp_group)
     grads = tp_model.gather_state_dict(grads=True)  # dense names (tp 1: no communication)
     worst, name = 0.0, "-"
     for n, p in dense.named_parameters():
@@ -454,11 +462,12 @@ BUGS: dict[str, Bug] = {
         Bug(
             "cp_grads_unsynced",
             "context parallel: gradients never summed over the CP ranks",
-            lambda: patched(gpt, "all_reduce_context_parallel_grads", _sync_nothing),
-            check_cp_step,
+            lambda: patched(optim, "gradient_group", lambda placements: "dp"),
+            check_cp_train_step,
             2,
-            "loss identical, every gradient about 1/cp of the right one (each rank saw its "
-            "positions only); CP replicas' weights drift apart",
+            "the first loss identical, the gradient norm about 1/cp of the right one (each "
+            "rank's gradient covers its positions only) and the losses apart from step 1: the "
+            "reduction group (dp·cp, folded into DP's) left the CP ranks out",
             "not in the seeds: the CP analogue of sequence parallelism's norm-gradient bug",
         ),
         Bug(
@@ -508,7 +517,7 @@ BUGS: dict[str, Bug] = {
             "ep_experts_averaged_over_dp",
             "EP: each rank's experts averaged over the whole DP group, not the ranks that "
             "hold the same experts",
-            lambda: patched(optim, "gradient_group", lambda placements: "dp"),
+            lambda: patched(optim, "gradient_group", lambda placements: "dp_cp"),
             check_ep_step,
             2,
             "the gradient norm off from step 0 and the loss from step 1: every rank's experts "

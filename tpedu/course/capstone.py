@@ -18,10 +18,9 @@ result. Every step writes into one work directory:
     resharded/      one of ckpt's steps before the end, resharded to another layout (e.g. tp 1)
     resumed/        the run resumed from resharded/ on its layout: its checkpoint at the end
     resumed.json    that run's summary
-    generated.json  {"prompt": ids, "max_new_tokens": n, "sampling":
-                    dataclasses.asdict of the Sampling it was served with (`SAMPLING`),
-                    "ids": {"<tp>": prompt + new ids, ...}, "text": the continuation}, served
-                    with the KV cache from resumed/ at tp 1 and at the chosen layout's tp
+    generated.json  {"prompt": ids, "max_new_tokens": n, "sampling": asdict(`SAMPLING`), "ids":
+                    {"<tp>": prompt + new ids, ...}, "text": the continuation}, served with the
+                    KV cache from resumed/ at tp 1 and at the chosen layout's tp
 
 `check_capstone(workdir)` reads these files, never the code that made them, and re-derives
 what it can instead of trusting them: the layout's bytes by its own dry run (and the reason's
@@ -40,7 +39,7 @@ import re
 import statistics
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
@@ -49,16 +48,13 @@ import torch.distributed as dist
 
 from tpedu import checkpoint
 from tpedu.analysis import dryrun
-from tpedu.comm.device import device
-from tpedu.course.capstone_rerun import from_solutions, resume_again, without_solutions
+from tpedu.course.capstone_rerun import from_solutions, resume_again, serve, without_solutions
 from tpedu.data import tokenizer
 from tpedu.launcher import launch
 from tpedu.model.config import GPTConfig
-from tpedu.model.dense import DenseGPT
-from tpedu.model.gpt import TPGPT
 from tpedu.parallel.config import ParallelConfig
 from tpedu.parallel.mesh import Mesh
-from tpedu.serve.generate import Sampling, generate_batch
+from tpedu.serve.generate import Sampling
 from tpedu.train.config import TrainConfig
 from tpedu.train.step import build_step, stage_chunks
 
@@ -236,46 +232,7 @@ def write_choice(
     return path
 
 
-def _serve(config: GPTConfig, path: str, prompt: list[int], new: int, sampling: Sampling) -> list:
-    model = TPGPT(DenseGPT(config)).to(device())  # this rank's shards, overwritten by load
-    checkpoint.load(path, model)  # any saved layout -> this rank's shards
-    return generate_batch(model.eval(), [prompt], new, sampling)[0]
-
-
-def serve(
-    path: str | Path, prompt: list[int], new: int, tp: int = 1, sampling: Sampling = Sampling()
-) -> list:
-    """prompt + `new` tokens generated with the KV cache by `tp` ranks, each loading its shards
-    of the checkpoint `path`, every rank with the same `sampling` (generated.json records it as
-    `dataclasses.asdict(sampling)`)."""
-    if not isinstance(sampling, Sampling):
-        raise TypeError(
-            f"serve's sampling is a {type(sampling).__name__}, not a Sampling: pass "
-            "tpedu.serve.generate.Sampling(...) (from a recorded dict: Sampling(**recorded))"
-        )
-    config = checkpoint.read_config(path)
-    return launch(_serve, tp, config, str(path), list(prompt), new, sampling)[0]
-
-
 # ------------------------------------------------------------------------------ the checks
-
-
-def _recorded_sampling(recorded: object) -> Sampling:
-    """generated.json's "sampling" (`dataclasses.asdict` of a Sampling) as that Sampling. An
-    unknown key (a typo, a field Sampling lacks) is refused, not dropped: serving without it
-    would check the ids against other settings than the ones recorded."""
-    if not isinstance(recorded, dict):
-        raise ValueError(
-            f"generated.json's sampling is {recorded!r}: record dataclasses.asdict(Sampling(...))"
-        )
-    known = [f.name for f in fields(Sampling)]
-    unknown = [k for k in recorded if k not in known]
-    if unknown:
-        raise ValueError(
-            f"generated.json's sampling has an unknown key {unknown[0]!r}: record "
-            f"dataclasses.asdict(Sampling(...)), whose keys are {', '.join(known)}"
-        )
-    return Sampling(**recorded)
 
 
 def _read_json(path: Path) -> dict:
@@ -514,7 +471,8 @@ def _check_generation(work: Path) -> str:
     tp, with its recorded settings; the stored ids and text must be what that gives."""
     choice, gen = _choice(work), _read_json(work / "generated.json")
     prompt, new, ids = gen["prompt"], gen["max_new_tokens"], gen["ids"]
-    sampling = _recorded_sampling(gen.get("sampling") or {"greedy": True})
+    recorded = gen.get("sampling") or {"greedy": True}
+    sampling = Sampling.from_dict(recorded, "generated.json's sampling")
     need = sorted({"1", str(choice.tp)})
     if not isinstance(new, int) or new < 1:
         raise ValueError(f"generated.json asks for {new!r} new tokens: serve at least one")

@@ -7,7 +7,8 @@ reads (tpedu.course.capstone uses both):
                                                                        # of reach
 
 `resume_again` trains from the resharded checkpoint as the learner's resumed run did, on the
-novel's text, and returns its losses and its final dense tensors; `without_solutions` makes
+novel's text, and returns its losses and its final dense tensors; `serve` generates from a
+checkpoint with the KV cache, as the learner's served text was; `without_solutions` makes
 every import of solutions/ fail while the learner's survey and choose run again, and
 `from_solutions` says whether a function was written there.
 """
@@ -27,11 +28,16 @@ from pathlib import Path
 import torch
 
 from tpedu import checkpoint
+from tpedu.comm.device import device
 from tpedu.course.grading import ROOT
 from tpedu.data import tokenizer
 from tpedu.data.corpus import load_novel, train_val_split
 from tpedu.launcher import launch
+from tpedu.model.config import GPTConfig
+from tpedu.model.dense import DenseGPT
+from tpedu.model.gpt import TPGPT
 from tpedu.parallel.config import ParallelConfig
+from tpedu.serve.generate import Sampling, generate_batch
 from tpedu.train.config import TrainConfig
 from tpedu.train.loop import train
 
@@ -94,3 +100,19 @@ def from_solutions(fn: object) -> bool:
     imported from it)."""
     code = getattr(getattr(fn, "__func__", fn), "__code__", None)
     return code is not None and Path(code.co_filename).resolve().is_relative_to(ROOT / "solutions")
+
+
+def _serve(config: GPTConfig, path: str, prompt: list[int], new: int, sampling: Sampling) -> list:
+    model = TPGPT(DenseGPT(config)).to(device())  # this rank's shards, overwritten by load
+    checkpoint.load(path, model)  # any saved layout -> this rank's shards
+    return generate_batch(model.eval(), [prompt], new, sampling)[0]
+
+
+def serve(
+    path: str | Path, prompt: list[int], new: int, tp: int = 1, sampling: Sampling = Sampling()
+) -> list:
+    """prompt + `new` tokens generated with the KV cache by `tp` ranks, each loading its shards
+    of the checkpoint `path`, every rank with the same `sampling` (generated.json records it as
+    `dataclasses.asdict(sampling)`)."""
+    config = checkpoint.read_config(path)
+    return launch(_serve, tp, config, str(path), list(prompt), new, sampling)[0]

@@ -1,5 +1,6 @@
 """Lesson 16: the bug zoo's checks that train: ZeRO and expert parallelism against plain data
-parallelism on the same ranks, float64, step by step (tpedu.course.bugzoo's entries use them).
+parallelism, context parallelism against tensor parallelism, on the same ranks, float64, step
+by step (tpedu.course.bugzoo's entries use them).
 
 Each check trains the zoo's small GPT twice with `tpedu.train.loop.train` and compares every
 step's loss and whole-model gradient norm at 1e-10 relative: the norm shows a gradient scaled
@@ -85,6 +86,22 @@ def check_ep_step(steps: int = 2) -> tuple[bool, str]:
             f"step {step}: loss {le:.6f} vs DP {ld:.6f}, gradient norm {ge:.4f} vs DP {gd:.4f}"
         )
     return True, f"{steps} steps: losses and gradient norms equal plain DP's to 1e-10"
+
+
+def check_cp_train_step(steps: int = 2) -> tuple[bool, str]:
+    """Training at cp = world (each rank its positions of every sequence) vs tp = world (each
+    rank its heads), the same global batches, float64: every step's loss and gradient norm.
+    Both are the dense model's arithmetic, so they agree to rounding."""
+    from tpedu.parallel.config import ParallelConfig
+
+    world = dist.get_world_size()
+    tp, cp = _train_runs(GPT2, [ParallelConfig(tp=world), ParallelConfig(cp=world)], steps)
+    step, lt, lc, gt, gc = _first_gap(tp, cp, steps)
+    if step >= 0:
+        return False, (
+            f"step {step}: loss {lc:.6f} vs TP {lt:.6f}, gradient norm {gc:.4f} vs TP {gt:.4f}"
+        )
+    return True, f"{steps} steps: losses and gradient norms equal TP's to 1e-10"
 
 
 def check_zero2_step() -> tuple[bool, str]:

@@ -28,8 +28,9 @@ reduce-scatter as ring steps under their matmuls (tpedu.tp.collective_matmul).
 `cp_group` (context parallelism, tpedu.cp): each CP rank feeds its positions of the sequence
 (`cp_layout`: zig-zag or contiguous, `tpedu.cp.ring.split_sequence`), learned positions and
 RoPE use the global positions, attention is ring or Ulysses attention (`cp_strategy`) over the
-CP group, the loss is the mean over the whole sequence (2 small all-reduces over CP), and
-`sync_grads()` sums every gradient over CP (each rank saw only its positions).
+CP group, and the loss is the mean over the whole sequence (2 small all-reduces over CP). Each
+CP rank's gradients cover its positions only: their sum over CP is not the model's to run but
+the reducer's (tpedu.cp.gradients: alone, or folded into DP's reduction over dp·cp).
 """
 
 from __future__ import annotations
@@ -105,16 +106,6 @@ def _embed_sequence_parallel(model: TPGPT, ids: torch.Tensor, step: int) -> torc
         x = x + model.pos_emb(torch.arange(start, start + s // model.tp, device=ids.device))
     seed = derive_seed(model.config.seed, EMBEDDING_DROPOUT_SITE, step)
     return sequence_dropout(x, model.config.dropout, seed, model.group, model.training)
-
-
-def all_reduce_context_parallel_grads(
-    params: Iterable[nn.Parameter], group: dist.ProcessGroup | None
-) -> None:
-    """Sum every gradient over the CP group (in place): each CP rank's covers its positions.
-    One all-reduce per parameter."""
-    for p in params:
-        if p.grad is not None:
-            collectives.all_reduce(p.grad, group)
 
 
 CP_ATTENTION = {"ring": ring_attention, "ulysses": ulysses_attention}  # RunOptions.cp_strategy
@@ -444,7 +435,7 @@ class TPGPT(nn.Module):
         """The mean loss over the counted tokens of the whole sequence. With context
         parallelism 2 all-reduces over the CP group (the sum and the count): the value is the
         global mean on every rank, the gradient flows through this rank's tokens only (the
-        parameters' gradients are then summed over CP in sync_grads)."""
+        parameters' gradients are then summed over CP: tpedu.cp.gradients)."""
         count = (targets != IGNORE).sum()
         if self.cp == 1:
             return losses.sum() / count.clamp_min(1)
@@ -489,8 +480,8 @@ class TPGPT(nn.Module):
             tp  Replicate: t copies (a replicated KV head: its replicas, `copies_of`); Shard: 1
             cp  a copy on each CP rank (their gradients are summed, then equal)
             dp  a copy per replica; an expert (Shard on ep, which is carved from dp) one per
-                dp/ep replicas of the same experts. Under ZeRO the caller leaves dp out: each
-                DP rank holds its own shard of the gradient
+                dp/ep replicas of the same experts. Under ZeRO the caller leaves cp and dp out:
+                ZeRO shards over dp·cp, each of those ranks holds its own piece of the gradient
             pp  each stage holds its own layers: 1; the last stage's copy of a tied embedding
                 counts 0 (weight 0): after sync_tied_grads it equals the first stage's table.
         A number, or a tensor of the parameter's shape (replicated KV heads)."""
@@ -521,11 +512,9 @@ class TPGPT(nn.Module):
         return {e.local: e.copies for e in entries}, {e.local: e.placements for e in entries}
 
     def grad_sync_params(self) -> list[nn.Parameter]:
-        """The parameters whose gradients `sync_grads` changes: every one with CP, else the
-        replicated KV heads' fused QKV (tp > n_kv_heads) and, with SP, the sequence-parallel
-        ones. A ZeRO wrapper reduce-scatters these over DP only after the fix-ups."""
-        if self.cp > 1:
-            return list(self.parameters())
+        """The parameters whose gradients `sync_grads` changes: the replicated KV heads' fused
+        QKV (tp > n_kv_heads) and, with SP, the sequence-parallel ones. A ZeRO wrapper
+        reduce-scatters these over DP only after the fix-ups."""
         out = [p for b in self.blocks if b.attn.kv_replicas > 1 for p in b.attn.qkv_params()]
         return out + (sequence_parallel_params(self) if self.sequence_parallel else [])
 
@@ -540,9 +529,6 @@ class TPGPT(nn.Module):
         """
         for block in self.blocks:
             block.attn.all_reduce_replicated_kv_grads()
-        if self.cp > 1:  # each CP rank's gradients cover its positions only: sum them
-            with tracer.phase("grad_sync"):
-                all_reduce_context_parallel_grads(self.parameters(), self.cp_group)
         if self.sequence_parallel and sequence_parallel_grads:
             with tracer.phase("grad_sync"):
                 all_reduce_sequence_parallel_grads(sequence_parallel_params(self), self.group)

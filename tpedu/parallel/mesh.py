@@ -24,6 +24,11 @@ Groups:
          different experts and trade tokens with all-to-all; attention stays replicated
     edp  the ranks of one DP group with the same ep_rank: replicas of the same experts, whose
          gradients are reduced over it (and only over it)
+    dp_cp, edp_cp  with cp > 1: a dp (edp) group and the CP ranks of its members. A gradient is
+         summed over every rank that holds the same elements and saw other tokens: the
+         replicas, and the CP ranks, which saw other positions of the same sequences. So DP's
+         one bucketed reduction (and ZeRO's sharding) runs over dp·cp, as picotron and
+         Megatron-core do, not a second per-parameter sum over CP. At cp = 1 they are dp, edp.
 
 `torch.distributed.new_group` is collective over the WHOLE world: every rank must create every
 group, in the same order, even the groups it is not in. `Mesh` does exactly that.
@@ -69,6 +74,15 @@ AXES = (
     Axis("dp", True, False, "replicas of the same shards: gradients averaged"),
 )
 AXIS_NAMES = tuple(a.name for a in AXES)
+# The tracer's name of a group kind, where it is not the kind: the pipeline's channels are all
+# "pp"; the gradient reduction over dp·cp is DP's, with the CP ranks folded in.
+TRACED_AS = {
+    "pp_grad": "pp",
+    "pp_wrap": "pp",
+    "pp_grad_wrap": "pp",
+    "dp_cp": "dp",
+    "edp_cp": "edp",
+}
 CHECKPOINT_AXES = tuple(a.name for a in AXES if a.checkpoint)
 
 
@@ -109,6 +123,12 @@ class Layout:
         return {name: getattr(self, name) for name in AXIS_NAMES}
 
     @property
+    def reduce_ranks(self) -> int:
+        """The ranks of a dp_cp group: those a replicated parameter's gradient is summed over
+        (dp·cp), and the number of ZeRO's shards."""
+        return self.dp * self.cp
+
+    @property
     def world(self) -> int:
         return math.prod(self.sizes.values())
 
@@ -137,12 +157,12 @@ class Layout:
         edp, ep = divmod(self.coords(rank)["dp"], self.ep)
         return {"ep": ep, "edp": edp}
 
-    def copy_axes(self, dp: bool = True) -> dict[str, int]:
-        """{axis: size} of the axes beyond TP along which this layout copies a parameter (what
-        TPGPT.norm_weight divides by): cp; dp (dp=False leaves it out, as under ZeRO, whose
-        DP ranks each hold their own shard of the gradient); ep, the part of dp an expert is
-        split over."""
-        return {"cp": self.cp, "ep": self.ep} | ({"dp": self.dp} if dp else {})
+    def copy_axes(self, zero: bool = False) -> dict[str, int]:
+        """{axis: size} of the axes beyond TP along which this layout copies a parameter's
+        reduced gradient (what TPGPT.norm_weight divides by): cp and dp, the ranks of its
+        dp_cp group (zero=True leaves them out: ZeRO shards over that group, each rank holds
+        its own piece); ep, the part of dp an expert is split over."""
+        return {"ep": self.ep} | ({} if zero else {"cp": self.cp, "dp": self.dp})
 
     def rank(self, **coords: int) -> int:
         """{axis: index} -> global rank (an axis left out: index 0)."""
@@ -182,15 +202,51 @@ class Layout:
         """Expert-data-parallel groups: the members of each DP group with the same ep_rank."""
         return [g[e :: self.ep] for g in self.axis_groups("dp") for e in range(self.ep)]
 
+    def dp_cp_groups(self) -> list[list[int]]:
+        """The ranks of one stage position (tp_rank, pp_rank) over every cp and dp index."""
+        return [
+            sorted(r for d in self.axis_groups("dp") if d[0] in g for r in d)
+            for g in self.axis_groups("cp")
+            if self.coords(g[0])["dp"] == 0
+        ]
+
+    def edp_cp_groups(self) -> list[list[int]]:
+        """The members of each dp_cp group with the same ep_rank."""
+        return [
+            [r for r in g if self.expert_coords(r)["ep"] == e]
+            for g in self.dp_cp_groups()
+            for e in range(self.ep)
+        ]
+
     def group_names(self) -> tuple[str, ...]:
         """The groups this layout has, in rank order, then "emb", then "ep" and "edp" when
-        ep > 1: an optional axis (cp) only at size > 1."""
+        ep > 1, then "dp_cp" (and "edp_cp") when cp > 1: an optional axis (cp) only at size > 1."""
         axes = tuple(a.name for a in AXES if not a.optional or self.sizes[a.name] > 1)
-        return axes + ("emb",) + (("ep", "edp") if self.ep > 1 else ())
+        folded = (("dp_cp",) + (("edp_cp",) if self.ep > 1 else ())) if self.cp > 1 else ()
+        return axes + ("emb",) + (("ep", "edp") if self.ep > 1 else ()) + folded
+
+    def present(self, kind: str) -> str:
+        """The kind of group that stands for `kind` in this layout: a folded group absent here
+        is its unfolded one (dp_cp at cp 1 is dp; edp at ep 1 is dp)."""
+        if kind.endswith("_cp") and self.cp == 1:
+            kind = kind.removesuffix("_cp")
+        if kind.startswith("edp") and self.ep == 1:
+            kind = kind.removeprefix("e")
+        return kind
+
+    def group_of(self, kind: str, rank: int) -> list[int]:
+        """The members of `rank`'s group of `kind` (`present(kind)` in this layout)."""
+        return next(g for g in self.groups()[self.present(kind)] if rank in g)
 
     def groups(self) -> dict[str, list[list[int]]]:
         """{name: every group of that kind} for each of `group_names()`."""
-        derived = {"emb": self.emb_groups, "ep": self.ep_groups, "edp": self.edp_groups}
+        derived = {
+            "emb": self.emb_groups,
+            "ep": self.ep_groups,
+            "edp": self.edp_groups,
+            "dp_cp": self.dp_cp_groups,
+            "edp_cp": self.edp_cp_groups,
+        }
         return {
             name: derived[name]() if name in derived else self.axis_groups(name)
             for name in self.group_names()
@@ -238,14 +294,14 @@ class Mesh:
             for ranks in groups:
                 g = dist.new_group(ranks)  # collective: every rank, every group, same order
                 if self.rank in ranks:
-                    name = "pp" if kind.startswith("pp") else kind
-                    self.groups[kind] = collectives.name_group(g, name)
+                    self.groups[kind] = collectives.name_group(g, TRACED_AS.get(kind, kind))
                     self.members[kind] = ranks
         for kind in [*AXIS_NAMES, "emb"]:  # none: an optional axis of size 1, no tied copies
             self.groups.setdefault(kind, None)
             self.members.setdefault(kind, [])
-        if layout.ep == 1:  # no expert parallelism: the experts are replicated like the rest
-            self.groups["edp"], self.members["edp"] = self.groups["dp"], self.members["dp"]
+        for kind in ("edp", "dp_cp", "edp_cp"):  # absent at ep 1 or cp 1: what stands for it
+            self.groups.setdefault(kind, self.groups[layout.present(kind)])
+            self.members.setdefault(kind, self.members[layout.present(kind)])
 
     tp_rank = property(lambda self: self.coords["tp"])
     cp_rank = property(lambda self: self.coords["cp"])

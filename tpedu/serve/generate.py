@@ -32,7 +32,7 @@ cache itself never moves: each rank attends over its own heads' keys and values.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -51,6 +51,20 @@ class Sampling:
     top_k: int | None = 50
     greedy: bool = False
     seed: int = 0
+
+    @classmethod
+    def from_dict(cls, recorded: object, where: str = "sampling") -> Sampling:
+        """The Sampling a `dataclasses.asdict` record describes. An unknown key (a typo, a
+        field Sampling lacks) is refused, not dropped: the settings would differ from the
+        record's. A ValueError naming it and `where` the record came from."""
+        known = [f.name for f in fields(cls)]
+        unknown = [k for k in recorded if k not in known] if isinstance(recorded, dict) else [""]
+        if unknown:
+            raise ValueError(
+                f"{where} has an unknown key {unknown[0]!r}: record "
+                f"dataclasses.asdict(Sampling(...)), whose keys are {', '.join(known)}"
+            )
+        return cls(**recorded)
 
 
 def pad_right(

@@ -42,18 +42,19 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Adam
 def make_sharded(
     chunks: Sequence[TPGPT], cfg: TrainConfig, level: int, mesh: Mesh
 ) -> ShardedDataParallel:
-    """ZeRO-1/2/3 over the DP group for this rank's chunks: AdamW as make_optimizer's; the
+    """ZeRO-1/2/3 over the dp·cp group for this rank's chunks (the gradients' reduction group,
+    tpedu.parallel.mesh: the DP group at cp 1): AdamW as make_optimizer's; the
     gradients TP and the tied embedding fix up are reduce-scattered after the fix-ups; the
     gradient norm weighs each element by TPGPT.norm_weight, ZeRO's rule (a DP rank's shard is
     its own)."""
 
     def weight_of(chunk: TPGPT, name: str) -> Weight:
-        return chunk.norm_weight(name, mesh.layout.copy_axes(dp=not level))
+        return chunk.norm_weight(name, mesh.layout.copy_axes(zero=True))
 
     defer = [p for c in chunks for p in c.grad_sync_params()] + tied_params(chunks)
     return ShardedDataParallel(
         chunks,
-        mesh.dp_group,
+        mesh.groups["dp_cp"],
         level,
         decay=decayed,
         weight_of=weight_of,
@@ -64,6 +65,7 @@ def make_sharded(
         betas=(0.9, 0.95),
         weight_decay=cfg.weight_decay,
         group_of=gradient_groups(chunks, mesh),
+        mean_over=mesh.layout.dp,
     )
 
 
@@ -79,17 +81,19 @@ def gradient_groups(
 def make_data_parallel(
     chunks: Sequence[TPGPT], cfg: TrainConfig, zero: int, mesh: Mesh
 ) -> tuple[DataParallel | ShardedDataParallel | None, torch.optim.Optimizer | ShardedDataParallel]:
-    """A rank's gradient reducer over its DP group and its optimizer: with ZeRO (zero ≥ 1)
+    """A rank's gradient reducer over its dp·cp group and its optimizer: with ZeRO (zero ≥ 1)
     one ShardedDataParallel is both; without, DataParallel's bucketed all-reduce (None at
-    dp 1) and make_optimizer's AdamW over all of this rank's chunks."""
+    dp·cp = 1) and make_optimizer's AdamW over all of this rank's chunks. Either sums each
+    gradient over the group and divides by dp: CP's sum folded into DP's mean."""
     if zero:
         sharded = make_sharded(chunks, cfg, zero, mesh)
         return sharded, sharded
     stage = torch.nn.ModuleList(chunks)
     low = DTYPES[cfg.dtype] if cfg.grad_reduce == "low" else None
-    dpar = None
-    if mesh.layout.dp > 1:
+    dpar, lay = None, mesh.layout
+    if lay.reduce_ranks > 1:  # the mean over the replicas of a sum over each one's CP ranks
+        groups = gradient_groups(chunks, mesh)
         dpar = DataParallel(
-            stage, mesh.dp_group, reduce_dtype=low, group_of=gradient_groups(chunks, mesh)
+            stage, mesh.groups["dp_cp"], reduce_dtype=low, group_of=groups, mean_over=lay.dp
         )
     return dpar, make_optimizer(stage, cfg)

@@ -66,8 +66,9 @@ axis) and steps on its s/cp positions, as train feeds
 them (`TPGPT.local_sequence`). Ring attention on meta tensors decides which K/V blocks to skip
 from the real positions (a CPU tensor). The ledger's activations are then those of s/cp
 positions, TP messages hold s/cp positions, and the CP group's traffic is set beside
-tpedu.cp.traffic's formulas (the ring's K/V sends or Ulysses' all-to-alls), the loss's mean
-over the whole sequence and the gradients' sum over CP.
+tpedu.cp.traffic's formulas (the ring's K/V sends or Ulysses' all-to-alls) and the loss's mean
+over the whole sequence; the gradients' sum over CP is DP's reduction over dp·cp (traced as dp),
+and ZeRO's N is dp·cp.
 
 ZeRO-1/2/3: the parameters are views into flat buffers (ZeRO-3 resizes their storage to
 nothing at rest, which works on meta tensors too), so weights and gradients are counted as the

@@ -244,14 +244,15 @@ def ep_terms(fig: RankFigures, config: GPTConfig, parallel: ParallelConfig) -> l
 
 def edp_terms(fig: RankFigures, config: GPTConfig, parallel: ParallelConfig) -> list[Term]:
     """The expert-data-parallel group: DataParallel's expert buckets, 1 all-reduce of the
-    experts' gradients (ep > 1 and edp = dp/ep > 1; a group of one sends nothing)."""
-    if parallel.ep == 1 or parallel.dp == parallel.ep:
+    experts' gradients over edp·cp (ep > 1 and edp·cp > 1; a group of one sends nothing)."""
+    ranks = parallel.dp // parallel.ep * parallel.cp
+    if parallel.ep == 1 or ranks == 1:
         return []
     n = expert_params(config, parallel, fig)
     return [
         Term(
-            f"the experts' gradients: {n:,} parameters, 1 all-reduce over edp = "
-            f"{parallel.dp // parallel.ep} replicas (DataParallel's expert buckets)",
+            f"the experts' gradients: {n:,} parameters, 1 all-reduce over edp·cp = "
+            f"{ranks} ranks (DataParallel's expert buckets)",
             n * VALUE_BYTES,
         )
     ]

@@ -303,14 +303,15 @@ def _activation_comparison(
     return Comparison("activations (peak)", fig.activations, predicted, "ledger", tuple(terms))
 
 
-def padding_term(fig: RankFigures, dp: int) -> Term | None:
-    """ZeRO: the elements each flat buffer adds to reach a multiple of N = dp (at most N-1
-    per buffer), as a parameter count; None without flat buffers or padding."""
-    pad = sum(dp * n - elements for elements, n, *_ in fig.flat_buffers)
+def padding_term(fig: RankFigures, ranks: int) -> Term | None:
+    """ZeRO: the elements each flat buffer adds to reach a multiple of N = `ranks` (the dp·cp
+    ranks it shards over; at most N-1 per buffer), as a parameter count; None without flat
+    buffers or padding."""
+    pad = sum(ranks * n - elements for elements, n, *_ in fig.flat_buffers)
     if not pad:
         return None
     return Term(
-        f"flat buffers padded to a multiple of N = {dp}: {pad:,} elements over "
+        f"flat buffers padded to a multiple of N = {ranks}: {pad:,} elements over "
         f"{count_noun(len(fig.flat_buffers), 'buffer')}",
         pad,
     )
@@ -327,7 +328,7 @@ def _gathered_comparison(
     what = "whole parameters (peak)"
     if parallel.zero < 3:
         return Comparison(what, fig.peak_gathered, whole, "ledger", tuple(terms))
-    e, dp = VALUE_BYTES, parallel.dp
+    e, dp = VALUE_BYTES, parallel.layout.reduce_ranks
     rest = sum(dp * n for _, n, _, block in fig.flat_buffers if block < 0) * e
     blocks: dict[tuple[int, int], int] = {}
     for _, n, chunk, block in fig.flat_buffers:
@@ -368,7 +369,7 @@ def memory_comparisons(
         measured.insert(4, ("whole parameters (peak)", fig.peak_gathered))
     if shape is None:
         return [Comparison(w, v, None, "ledger", note=why) for w, v in measured]
-    dp, zero = parallel.dp, parallel.zero
+    dp, zero = parallel.layout.reduce_ranks, parallel.zero  # ZeRO shards over dp·cp
 
     def ledger_of(shape: ModelShape) -> Ledger:  # as this rank runs: fp32 states, its layout
         return ledger(

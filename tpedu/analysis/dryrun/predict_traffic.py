@@ -277,14 +277,16 @@ def _pp_traffic(x: _Volumes) -> Comparison:
 def _dp_traffic(x: _Volumes) -> Comparison:
     tp, pp, e, fig = x.parallel.tp, x.parallel.pp, VALUE_BYTES, x.fig
     vol, dp, shape, parallel = x.vol, x.parallel.dp, x.shape, x.parallel
-    # DP: one all-reduce of this rank's gradients (buckets), or ZeRO's reduce-scatters and
-    # all-gathers (which run over a DP group of 1 too, as train runs them)
+    # DP: one all-reduce of this rank's gradients (buckets) over dp·cp (CP's sum folded in),
+    # or ZeRO's reduce-scatters and all-gathers (which run over a group of 1 too, as train
+    # runs them)
     dp_terms = []
     predicted = vol.dp_bytes if dp > 1 else 0.0
-    if dp > 1 or parallel.zero:
+    folded = f", summed over dp·cp = {dp}·{parallel.cp} ranks" if parallel.cp > 1 else ""
+    if parallel.layout.reduce_ranks > 1 or parallel.zero:
         dp_terms.append(
             Term(
-                f"this rank's {fig.params:,} parameters, not the what-if's "
+                f"this rank's {fig.params:,} parameters{folded}, not the what-if's "
                 + (
                     f"N/(tp·pp) = {shape.matmul_params / (tp * pp):,.0f} (matmul weights, "
                     "averaged over stages)"
@@ -328,10 +330,10 @@ def _emb_and_world_traffic(x: _Volumes) -> list[Comparison]:
 
 
 def _sharded_traffic_terms(fig: RankFigures, parallel: ParallelConfig) -> list[Term]:
-    """ZeRO's DP calls beyond one all-reduce of this rank's parameters (which the
-    reduce-scatter of the gradients replaces, the same bytes in): the padding, the parameters'
-    all-gathers."""
-    dp, m, e = parallel.dp, fig.micro_batches, VALUE_BYTES
+    """ZeRO's calls beyond one all-reduce of this rank's parameters (which the reduce-scatter
+    of the gradients replaces, the same bytes in): the padding, the parameters' all-gathers.
+    Its N is the dp·cp ranks its group holds."""
+    dp, m, e = parallel.layout.reduce_ranks, fig.micro_batches, VALUE_BYTES
     terms = []
     pad = padding_term(fig, dp)
     if pad:
@@ -372,7 +374,7 @@ def _cp_comparison(
 ) -> Comparison:
     """CP traffic against tpedu.cp.traffic's formulas for every block forward and backward of
     the step (ring: the K/V blocks' sends; Ulysses: its all-to-alls), plus what else the CP
-    group carries: the loss's mean over the whole sequence and the gradients' sum. Under bf16
+    group carries: the loss's mean over the whole sequence. Under bf16
     autocast the K/V blocks (Ulysses: q, k, v and the output) are the QKV matmul's bf16."""
     c, t, cp, m = config, parallel.tp, parallel.cp, fig.micro_batches
     e = value_bytes(fig.dtype)  # the attention core's values
@@ -412,11 +414,5 @@ def _cp_comparison(
                 12 * m,
             )
         )
-    terms.append(
-        Term(
-            f"every gradient summed over CP: this rank's {fig.params:,} parameters "
-            f"(1 all-reduce per tensor)",
-            fig.params * VALUE_BYTES,
-        )
-    )
+    # the gradients' sum over CP is not here: it is folded into DP's reduction over dp·cp
     return Comparison("cp traffic", measured, predicted, "what-if", tuple(terms))
