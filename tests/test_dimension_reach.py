@@ -46,8 +46,6 @@ KNOWN = {
         "tp/attention.py": "attention calls CP attention",
         "tp/kv_cache.py": "decoding refuses CP",
         "cli/checks.py": "the CLI's one-line errors before any rank starts",
-        "train/step.py": "the loss is counted once per CP group",
-        "checkpoint/writer.py": "CP ranks hold copies: only the first writes",
         "course/bugzoo.py": "the zoo's CP bugs",
         "course/zoo_training.py": "the zoo's CP run, against TP's",
         "course/hunt_checks.py": "the hunt's CP case",

@@ -48,7 +48,8 @@ def test_context_parallel_in_the_mesh_trains_like_one_process(one_process, confi
 
 
 def test_checkpoint_saved_with_cp_resumes_without(tmp_path):
-    """CP does not change the stored tensors: saved at cp 2 × dp 2 (only CP rank 0 writes),
+    """CP does not change the stored tensors: saved at cp 2 × dp 2 (only CP rank 0 of each
+    replica writes: the files are named by tp, pp, dp; the two replicas share the writing),
     resumed by one process like the straight run."""
     five = dataclasses.replace(CFG, steps=5, eval_every=5)
     straight = run(GPT2, five)[0]["losses"]
@@ -56,7 +57,7 @@ def test_checkpoint_saved_with_cp_resumes_without(tmp_path):
     resumed = run(GPT2, dataclasses.replace(five, resume=str(tmp_path / "step_00000003")))
     assert resumed[0]["losses"] == pytest.approx(straight[3:], rel=F64)
     files = sorted(p.name for p in (tmp_path / "step_00000003").glob("*.safetensors"))
-    assert files == ["tp0-pp0-dp0.safetensors"]
+    assert files == ["tp0-pp0-dp0.safetensors", "tp0-pp0-dp1.safetensors"]
 
 
 def test_mesh_order_is_tp_then_cp_then_pp_then_dp():

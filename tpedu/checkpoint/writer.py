@@ -4,6 +4,7 @@ tpedu.checkpoint.index)."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from collections.abc import Sequence
@@ -181,19 +182,20 @@ def save(
     root = Path(root)
     chunks = [model] if isinstance(model, nn.Module) else list(model)
     first, config = chunks[0], chunks[0].config
-    tp, cp = dist.get_world_size(first.group), first.cp
-    if parallel is None:  # one TP (and CP) group
-        layout = Layout(tp=tp, cp=cp)
-        cp_rank = dist.get_rank(first.cp_group) if cp > 1 else 0
-        coords = layout.coords(layout.rank(tp=dist.get_rank(first.group), cp=cp_rank))
+    axes = first.axes()  # the model's own groups: {axis: (size, this rank's index)}
+    sizes = {a: n for a, (n, _) in axes.items()}
+    if parallel is None:  # one model alone: a layout of its own groups
+        layout = Layout(**sizes)
+        coords = layout.coords(layout.rank(**{a: i for a, (_, i) in axes.items()}))
         sp = first.sequence_parallel
         parallel = ParallelConfig(**layout.sizes, chunks=len(chunks), sequence_parallel=sp)
     else:  # the ranks of parallel's layout, as a Mesh of it places them
         layout, world = parallel.layout, dist.get_world_size()
-        if (layout.tp, layout.cp, layout.world, parallel.chunks) != (tp, cp, world, len(chunks)):
+        ours = {a: layout.sizes[a] for a in sizes}
+        if (ours, layout.world, parallel.chunks) != (sizes, world, len(chunks)):
             raise ValueError(
                 f"parallel says {layout} with chunks={parallel.chunks}, the ranks run "
-                f"{_ranks_layout(tp, cp, parallel.pp)} with {len(chunks)} chunks; pass the "
+                f"{_ranks_layout(sizes, parallel.pp)} with {len(chunks)} chunks; pass the "
                 "ParallelConfig the model was built with"
             )
         coords = layout.coords(dist.get_rank())
@@ -226,10 +228,11 @@ def save(
     return final
 
 
-def _ranks_layout(tp: int, cp: int, pp: int) -> Layout:
+def _ranks_layout(sizes: dict[str, int], pp: int) -> Layout:
     """The layout the world's ranks run as far as this rank sees it (for an error message): its
-    model's TP and CP group sizes, `pp` stages, and as many replicas as the world holds."""
-    return Layout(tp=tp, pp=pp, dp=max(1, dist.get_world_size() // (tp * cp * pp)), cp=cp)
+    model's own group sizes, `pp` stages, and as many replicas as the world holds."""
+    dp = max(1, dist.get_world_size() // (math.prod(sizes.values()) * pp))
+    return Layout(**sizes, pp=pp, dp=dp)
 
 
 def writers(layout: Layout, kind: str, rank: int) -> list[int]:

@@ -450,6 +450,18 @@ class TPGPT(nn.Module):
             return t
         return split_sequence(t, self.cp, dist.get_rank(self.cp_group), self.cp_layout, dim=1)
 
+    def axes(self) -> dict[str, tuple[int, int]]:
+        """{mesh axis: (its size, this rank's index on it)} of the axes this model's own groups
+        span (tp, and cp): where a model saved alone, outside a mesh, places its rank."""
+        cp_rank = dist.get_rank(self.cp_group) if self.cp > 1 else 0
+        return {"tp": (self.tp, dist.get_rank(self.group)), "cp": (self.cp, cp_rank)}
+
+    def stage_positions(self) -> int:
+        """The positions of the activations [b, s', H] one stage sends the next: s/tp with
+        sequence parallelism, s/cp with context parallelism, else s."""
+        split = self.tp if self.sequence_parallel else self.cp
+        return self.config.seq_len // split
+
     def _cp_positions(self, s_local: int) -> torch.Tensor:
         """[cp, s/cp]: every CP rank's global positions for a sequence of s_local · cp."""
         cp = self.cp

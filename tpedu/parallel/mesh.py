@@ -324,6 +324,12 @@ class Mesh:
 
     ep_rank = property(lambda self: self.layout.expert_coords(self.rank)["ep"])
 
+    @property
+    def first_of_stage(self) -> bool:
+        """Whether this rank is the first of those that run one stage of one replica together
+        (every axis but pp and dp at index 0): they hold the same activations and loss."""
+        return not any(i for a, i in self.coords.items() if a not in ("pp", "dp"))
+
     def __repr__(self) -> str:
         return f"Mesh(rank {self.rank}: {describe_coords(self.layout, self.rank)})"
 

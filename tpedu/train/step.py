@@ -126,10 +126,10 @@ def finish_scaled(scaler: LossScaler | None, params: Iterable[torch.nn.Parameter
 
 def replica_mean(value: torch.Tensor | None, mesh: Mesh) -> float:
     """The last stage's loss, averaged over DP replicas, on every rank (1 world all-reduce).
-    TP and CP ranks of a stage hold the same loss (CP's is already the whole sequence's mean):
-    only the first of each adds it."""
+    The ranks that run one stage of one replica together (TP, CP) hold the same loss (CP's is
+    already the whole sequence's mean): only the first of them adds it."""
     t = torch.zeros((), dtype=torch.float64, device=device())
-    if value is not None and mesh.tp_rank == 0 and mesh.cp_rank == 0:
+    if value is not None and mesh.first_of_stage:
         t += value.double()
     return collectives.all_reduce(t).item() / mesh.layout.dp
 
@@ -223,7 +223,6 @@ def build_step(
     actions = pipeline_schedule(parallel.schedule, m, parallel.pp, mesh.pp_rank, parallel.chunks)
     dpar, opt = make_data_parallel(chunks, cfg, parallel.zero, mesh)
     config = chunks[0].config
-    seq = config.seq_len // (parallel.tp if parallel.sequence_parallel else parallel.cp)
     return TrainStep(
         chunks=chunks,
         opt=opt,
@@ -233,7 +232,7 @@ def build_step(
         actions=actions,
         per_replica=b,
         micro_batches=m,
-        shape=(b // m, seq, config.hidden),
+        shape=(b // m, chunks[0].stage_positions(), config.hidden),
         dtype=next(chunks[0].parameters()).dtype,
         cfg=cfg,
         scaler=make_scaler(cfg.dtype, cfg.loss_scale, cfg.loss_scale_window),
