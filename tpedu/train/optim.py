@@ -16,7 +16,7 @@ from tpedu.comm.placement import gradient_group
 from tpedu.model.gpt import TPGPT, Weight
 from tpedu.model.state import shard_map
 from tpedu.parallel.data_parallel import DataParallel
-from tpedu.parallel.mesh import Mesh
+from tpedu.parallel.mesh import TRACED_AS, Layout, Mesh
 from tpedu.parallel.pipeline.runtime import tied_params
 from tpedu.parallel.zero import ShardedDataParallel
 from tpedu.train.config import TrainConfig
@@ -76,6 +76,19 @@ def gradient_groups(
     (tpedu.comm.placement.gradient_group): the reducers bucket by it."""
     groups = {id(e.param): mesh.groups[gradient_group(e.placements)] for e in shard_map(chunks)}
     return lambda p: groups[id(p)]
+
+
+def reduction_groups(chunks: Sequence[TPGPT], layout: Layout) -> tuple[tuple[str, int, int], ...]:
+    """(group as the tracer names it, its ranks, elements) of this rank's parameters by the
+    group their placements reduce the gradients over: what the reducers' buckets carry, and
+    what the dry run predicts DP's traffic from. No communication."""
+    out: dict[str, tuple[int, int]] = {}
+    for e in shard_map(chunks):
+        kind = layout.present(gradient_group(e.placements))
+        name = TRACED_AS.get(kind, kind)
+        ranks, n = out.get(name, (len(layout.group_of(kind, 0)), 0))
+        out[name] = ranks, n + e.param.numel()
+    return tuple((name, ranks, n) for name, (ranks, n) in out.items())
 
 
 def make_data_parallel(

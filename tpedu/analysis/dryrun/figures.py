@@ -74,6 +74,9 @@ class RankFigures:
     # held at once during the step
     flat_buffers: tuple[tuple[int, int, int, int], ...] = ()
     peak_gathered: int = 0
+    # (group, its ranks, parameter elements): this rank's parameters by the group their
+    # placements reduce the gradients over (tpedu.train.optim.reduction_groups)
+    reduced_over: tuple[tuple[str, int, int], ...] = ()
     dtype: str = "fp32"  # the step's compute dtype (train's --dtype): "fp32" or "bf16"
     moe_forwards: int = 0  # forwards of mixture-of-experts blocks among `layer_forwards`
 
@@ -111,6 +114,7 @@ class RankFigures:
                 "traffic",
                 "flat_buffers",
                 "peak_gathered",
+                "reduced_over",
             )
         }
 

@@ -36,6 +36,7 @@ from tpedu.parallel.pipeline.schedules import action_parts
 from tpedu.parallel.zero import ShardedDataParallel
 from tpedu.train.config import TrainConfig
 from tpedu.train.loop import run_loop
+from tpedu.train.optim import reduction_groups
 from tpedu.train.step import build_step, check_setup, replica_mean, split_batch
 
 
@@ -302,6 +303,7 @@ def measure_rank(
         traffic=traffic_summary(tracer),
         flat_buffers=flat,
         peak_gathered=peak_gathered,
+        reduced_over=reduction_groups(chunks, parallel.layout),
         dtype=dtype,
     )
 
@@ -350,7 +352,7 @@ def rank_class(
     c = parallel.layout.coords(rank)
     if config is None or batch is None or not _uneven_experts(config, parallel, batch):
         return c["pp"], c["cp"]
-    return c["pp"], c["cp"], c["dp"] % parallel.ep
+    return c["pp"], c["cp"], parallel.layout.expert_coords(rank)["ep"]
 
 
 def _uneven_experts(config: GPTConfig, parallel: ParallelConfig, batch: int) -> bool:

@@ -21,7 +21,6 @@ dropped). Sizes are those of the code (tpedu.moe.expert_parallel, tpedu.tp.mlp) 
                     all-reduce again in backward; full recompute reruns the forward's
     tp traffic      each expert's and the shared expert's all-reduces (R and T rows) instead
                     of the dense MLP's [b, s, H]
-    dp / edp        the experts' gradients are reduced over edp (ep > 1), the rest over dp
 
 bf16 autocast is not itemised for MoE layers (the activations, TP and EP messages of a rank with
 MoE layers are shown measured only: `not_itemised`), nor are ZeRO's flat buffers with ep > 1
@@ -113,17 +112,6 @@ def moe_layer(config: GPTConfig, parallel: ParallelConfig, fig: RankFigures) -> 
     first = parallel.layout.expert_coords(fig.rank)["ep"] * local
     received = ep * sum(kept[first : first + local])
     return MoELayer(tokens, sum(kept), received, local, mlp_params(c, c.expert_ffn, parallel.tp))
-
-
-def expert_params(config: GPTConfig, parallel: ParallelConfig, fig: RankFigures) -> int:
-    """Parameters of the experts on this rank (all its MoE layers): what DataParallel reduces
-    over the edp group when ep > 1."""
-    return (
-        moe_blocks(config, fig)
-        * config.experts
-        // parallel.ep
-        * mlp_params(config, config.expert_ffn, parallel.tp)
-    )
 
 
 def param_terms(fig: RankFigures, config: GPTConfig, parallel: ParallelConfig) -> list[Term]:
@@ -240,27 +228,3 @@ def ep_terms(fig: RankFigures, config: GPTConfig, parallel: ParallelConfig) -> l
         forward = sum(t.value for t in terms[:4])
         terms.append(Term("full recompute: the forward's 4 calls rerun in backward", forward))
     return terms
-
-
-def edp_terms(fig: RankFigures, config: GPTConfig, parallel: ParallelConfig) -> list[Term]:
-    """The expert-data-parallel group: DataParallel's expert buckets, 1 all-reduce of the
-    experts' gradients over edp·cp (ep > 1 and edp·cp > 1; a group of one sends nothing)."""
-    ranks = parallel.dp // parallel.ep * parallel.cp
-    if parallel.ep == 1 or ranks == 1:
-        return []
-    n = expert_params(config, parallel, fig)
-    return [
-        Term(
-            f"the experts' gradients: {n:,} parameters, 1 all-reduce over edp·cp = "
-            f"{ranks} ranks (DataParallel's expert buckets)",
-            n * VALUE_BYTES,
-        )
-    ]
-
-
-def dp_expert_term(fig: RankFigures, config: GPTConfig, parallel: ParallelConfig) -> list[Term]:
-    """With ep > 1 the dp group carries every gradient but the experts'."""
-    if parallel.ep == 1 or parallel.dp == 1:
-        return []
-    n = expert_params(config, parallel, fig)
-    return [Term(f"the experts' {n:,} parameters: reduced over edp, not dp", -n * VALUE_BYTES)]

@@ -86,7 +86,8 @@ def traffic_comparisons(
             if measured[g] and g not in moe_groups
         ]
         return moe.unpriced_zero_ep(
-            unpriced + _ep_traffic(fig, config, parallel, measured), parallel
+            unpriced + _ep_traffic(fig, config, parallel, measured) + _other_reductions(fig),
+            parallel,
         )
     par = whatif.Parallel(
         tp=parallel.tp,
@@ -110,7 +111,8 @@ def traffic_comparisons(
     if parallel.cp > 1:
         out.append(_cp_comparison(fig, config, parallel, measured["cp"]))
     ep = _ep_traffic(fig, config, parallel, measured)
-    out += [_pp_traffic(x), _dp_traffic(x)] + ep + _emb_and_world_traffic(x)
+    out += [_pp_traffic(x), _dp_traffic(x)] + ep + _other_reductions(fig)
+    out += _emb_and_world_traffic(x)
     return moe.unpriced_zero_ep(out, parallel)
 
 
@@ -126,10 +128,20 @@ def _ep_traffic(
     )
     if moe.not_itemised(fig, c):
         ep = Comparison("ep traffic", measured["ep"], None, "what-if", note=moe.BF16_NOTE)
-    out = [ep]
-    if parallel.ep > 1:
-        terms = tuple(moe.edp_terms(fig, c, parallel))
-        out.append(Comparison("edp traffic", measured["edp"], 0.0, "what-if", terms))
+    return [ep]
+
+
+def _other_reductions(fig: RankFigures) -> list[Comparison]:
+    """The groups beside dp that the parameters' placements reduce gradients over (edp: the
+    experts', ep > 1), which the what-if does not know: 1 all-reduce of those parameters
+    (DataParallel's buckets of that group; a group of one rank sends nothing)."""
+    out = []
+    for group, ranks, n in fig.reduced_over:
+        if group == "dp":
+            continue
+        what = f"the gradients of {n:,} parameters: 1 all-reduce, {ranks} ranks"
+        terms = (Term(what, n * VALUE_BYTES),) if ranks > 1 else ()
+        out.append(Comparison(f"{group} traffic", fig.sent(group), 0.0, "what-if", terms))
     return out
 
 
@@ -296,7 +308,12 @@ def _dp_traffic(x: _Volumes) -> Comparison:
                 fig.params * e - predicted,
             )
         )
-    dp_terms += moe.dp_expert_term(fig, x.model, parallel)
+    if dp_terms:  # parameters whose placements reduce them over another group
+        dp_terms += [
+            Term(f"{n:,} parameters reduced over {group}, as their placements say, not dp", -n * e)
+            for group, _, n in fig.reduced_over
+            if group != "dp"
+        ]
     if parallel.zero:
         dp_terms += _sharded_traffic_terms(fig, parallel)
     return Comparison("dp traffic", x.measured["dp"], predicted, "what-if", tuple(dp_terms))
