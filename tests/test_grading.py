@@ -123,7 +123,11 @@ def test_tpedu_grading_hint_is_the_graders():
     assert tpedu.grading.hint("l03", 1) == grading.hint("l03_conjugate_ops", 1)
 
 
-def test_hint_command_line():
+def test_hint_command_line(capsys):
+    """A started interpreter for a hint and for one refusal (the exit codes of the command
+    itself); the other refusals through grading.main in this process (an interpreter start with
+    torch costs 3-5 s each)."""
+
     def run(*args):
         return subprocess.run(
             [sys.executable, "-m", "tpedu.course.grading", "hint", *args],
@@ -133,10 +137,17 @@ def test_hint_command_line():
             timeout=60,
         )
 
+    def here(*args):
+        code = grading.main(["hint", *args])
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(args, code, out, err)
+
     ok = run("l03", "2")
     assert ok.returncode == 0 and ok.stdout.strip() == str(grading.hint("l03", 2)), ok.stderr
-    for bad in (("l99",), ("l03", "9"), ("l03", "two"), ()):
-        p = run(*bad)
+    assert here("l03", "2").stdout == ok.stdout
+    refusals = [(("l99",), run("l99"))]  # the started command's own exit code 2
+    refusals += [(bad, here(*bad)) for bad in (("l03", "9"), ("l03", "two"), ())]
+    for bad, p in refusals:
         assert p.returncode == 2 and p.stderr.strip() and not p.stdout, (bad, p)
 
 

@@ -135,11 +135,16 @@ def _raises(*a, **kw):
 
 
 def _cheats_worker(cases):
-    """{case: {what: (run_case's result on this rank)}} for the reference and every cheat."""
+    """{case: {what: (run_case's result on this rank)}} for the reference and every cheat, and
+    the case's runs it never shows, under the bug ("unseen"). The broken run is the same for
+    every fix (case 2's hangs for the receives' timeout): the reference's run_case runs it, with
+    the unseen runs, and each cheat gets that result and hunt.judge_fix's verdict on it."""
     out = {}
     for k in cases:
         c = CASES[k - 1]
-        tries = {"reference": _ref(k), "shown only": _shown_only(k)}
+        ref = hunt.run_case(k, _ref(k), False, unseen=True)
+        broken = {"shown": None, "broken": ref["broken"], "unseen": None}
+        tries = {"shown only": _shown_only(k)}
         tries |= {
             f"hidden wrapper of {s.name}": (s.name, _hidden(s.original)) for s in c.suspects(k)
         }
@@ -148,14 +153,31 @@ def _cheats_worker(cases):
             tries["compensates"] = _compensates()
         if k == 2:
             tries["gpipe"] = ("one_f_one_b", _gpipe)
-        out[k] = {what: hunt.run_case(k, fix, False) for what, fix in tries.items()}
+        out[k] = {"reference": ref} | {
+            what: broken | hunt.judge_fix(k, fix) for what, fix in tries.items()
+        }
     return out
 
 
+@pytest.fixture(scope="module")
+def launched():
+    """world -> every rank's _cheats_worker result for the cases of that world (one launch
+    each, shared by the tests below)."""
+    cache = {}
+
+    def get(world):
+        if world not in cache:
+            cases = [k for k in hunt.numbers() if hunt.world(k) == world]
+            assert cases, world
+            cache[world] = cases, launch(_cheats_worker, world, cases, timeout=600)
+        return cache[world]
+
+    return get
+
+
 @pytest.mark.parametrize("world", [2, 4])
-def test_each_cheat_stays_open_and_the_reference_closes(world):
-    cases = [k for k in hunt.numbers() if hunt.world(k) == world]
-    results = launch(_cheats_worker, world, cases, timeout=600)
+def test_each_cheat_stays_open_and_the_reference_closes(world, launched):
+    cases, results = launched(world)
     for k in cases:
         c = CASES[k - 1]
         verdicts = {
@@ -226,12 +248,9 @@ def test_tpedus_function_object_is_restored_after_a_case():
     assert all(fn.__code__ is code for fn, code in originals)
 
 
-def test_unseen_runs_fail_under_every_bug():
-    def worker(cases):
-        return {k: hunt.run_case(k, None, False, unseen=True)["unseen"] for k in cases}
-
-    for world in (2, 4):
-        cases = [k for k in hunt.numbers() if hunt.world(k) == world]
-        results = launch(worker, world, cases, timeout=300)
-        for k in cases:
-            assert not all(r[k][0] for r in results), (k, [r[k] for r in results])
+@pytest.mark.parametrize("world", [2, 4])
+def test_unseen_runs_fail_under_every_bug(world, launched):
+    cases, results = launched(world)  # the reference's run_case ran them under the bug
+    for k in cases:
+        unseen = [r[k]["reference"]["unseen"] for r in results]
+        assert not all(ok for ok, _ in unseen), (k, unseen)

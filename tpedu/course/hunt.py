@@ -49,6 +49,7 @@ __all__ = [
     "check",
     "example_batch",
     "fix_of",
+    "judge_fix",
     "numbers",
     "plot",
     "run_case",
@@ -117,8 +118,17 @@ def run_case(
         out["shown"] = case.observe() if show else None
         out["broken"] = case.check()
         out["unseen"] = case.unseen() if unseen else None
-    if fix is None:
-        return out
+    if fix is not None:
+        out |= judge_fix(k, fix)
+    return out
+
+
+def judge_fix(k: int, fix: tuple[str, Callable]) -> dict[str, object]:
+    """run_case's verdict on `fix` alone, on every rank of case k's launch (the broken run's
+    check is not run again): {"fixed": (ok, detail), "reached": how often the fix ran tpedu's
+    own function of that name}. A caller judging several fixes of one case runs the broken run
+    once (run_case without a fix) and this once per fix."""
+    case = _case(k)
     name, fn = fix
     suspect = next(s for s in case.suspects(k) if s.name == name)
     verdicts, trips = [], []
@@ -133,12 +143,12 @@ def run_case(
             verdicts.append((ok, f"without the bug: {detail}"))
     except Exception as e:  # the learner's code: report it as the check's failure
         verdicts.append(_raised(e))
-    out["reached"] = reached = sum(t.calls for t in trips)
+    reached = sum(t.calls for t in trips)
     if reached:
-        out["fixed"] = (False, f"your {name} called tpedu's own {name}, the code under suspicion")
+        fixed = (False, f"your {name} called tpedu's own {name}, the code under suspicion")
     else:
-        out["fixed"] = (all(ok for ok, _ in verdicts), "; ".join(d for _, d in verdicts))
-    return out
+        fixed = (all(ok for ok, _ in verdicts), "; ".join(d for _, d in verdicts))
+    return {"fixed": fixed, "reached": reached}
 
 
 # ------------------------------------------------------------------------------ what is printed
