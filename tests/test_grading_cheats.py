@@ -239,45 +239,70 @@ def test_they_run():
 """
 
 _DRIVER = """
+import os
 import sys
 from pathlib import Path
 
 from tpedu.course import grading
 
-grading.ROOT = Path.cwd()
-sys.exit(grading.main(sys.argv[1:]))
+# One interpreter (torch imported once) grades each course root given after "--", in a child
+# forked from here before any course's files were imported: each child imports its own.
+cut = sys.argv.index("--")
+for root in sys.argv[cut + 1 :]:
+    pid = os.fork()
+    if pid == 0:
+        os.chdir(root)
+        grading.ROOT = Path.cwd()
+        print(f"==> {root}", flush=True)
+        code = grading.main(sys.argv[1:cut])
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    if code:
+        sys.exit(code)
 """
 
 
-def _grade_in(tmp, *args):
-    (tmp / "tests" / "exercises").mkdir(parents=True, exist_ok=True)
-    (tmp / "tests" / "__init__.py").write_text("")
-    (tmp / "tests" / "exercises" / "__init__.py").write_text("")
-    (tmp / "tests" / "exercises" / "test_l04_parallel_linear.py").write_text(_FAKE_TEST)
+def _grade_in(roots, *args):
+    """The grader's command line (`grading.main(args)`) on each course root in turn, in one
+    started interpreter: (the process, {root: what its grade printed})."""
+    for tmp in roots:
+        (tmp / "tests" / "exercises").mkdir(parents=True, exist_ok=True)
+        (tmp / "tests" / "__init__.py").write_text("")
+        (tmp / "tests" / "exercises" / "__init__.py").write_text("")
+        (tmp / "tests" / "exercises" / "test_l04_parallel_linear.py").write_text(_FAKE_TEST)
     here = str(Path(tpedu.__file__).parents[1])  # the tpedu under test, whatever is installed
-    return subprocess.run(
-        [sys.executable, "-c", _DRIVER, *args],
-        cwd=tmp,
+    p = subprocess.run(
+        [sys.executable, "-c", _DRIVER, *args, "--", *map(str, roots)],
+        cwd=roots[0],
         capture_output=True,
         text=True,
         timeout=120,
         env={**os.environ, "PYTHONPATH": here},
     )
+    printed = dict(part.split("\n", 1) for part in p.stdout.split("==> ")[1:])
+    return p, {root: printed.get(str(root), "") for root in roots}
 
 
 def test_grade_gives_no_marks_for_solutions_imported(course, tmp_path):
     course("l04_parallel_linear", _star("l04_parallel_linear"))
-    p = _grade_in(tmp_path, "l04")
-    assert p.returncode == 0, p.stderr
-    assert "uses solutions/" in p.stdout and "the reference, not yours" in p.stdout, p.stdout
-    assert "from solutions.l04_parallel_linear import *" in p.stdout
-    row = next(r for r in p.stdout.splitlines() if r.startswith("l04_parallel_linear "))
-    assert row.split()[1:3] == ["0", "2"], row  # 0 of 2 passed: what passed was the reference
-    # the same file written out by hand: both tests pass, and the grade says done
+    # beside it, a course with the same file written out by hand: both tests pass, and the
+    # grade says done
+    by_hand = tmp_path / "by_hand"
+    for kind in ("exercises", "solutions"):
+        shutil.copytree(tmp_path / kind, by_hand / kind)
     text = (ROOT / "solutions" / "l04_parallel_linear.py").read_text(encoding="utf-8")
-    course("l04_parallel_linear", text)
-    p = _grade_in(tmp_path, "l04")
-    row = next(r for r in p.stdout.splitlines() if r.startswith("l04_parallel_linear "))
+    (by_hand / "exercises" / "l04_parallel_linear.py").write_text(textwrap.dedent(text))
+    p, printed = _grade_in([tmp_path, by_hand], "l04")
+    assert p.returncode == 0, p.stderr
+    out = printed[tmp_path]
+    assert "uses solutions/" in out and "the reference, not yours" in out, p.stdout
+    assert "from solutions.l04_parallel_linear import *" in out
+    row = next(r for r in out.splitlines() if r.startswith("l04_parallel_linear "))
+    assert row.split()[1:3] == ["0", "2"], row  # 0 of 2 passed: what passed was the reference
+    out = printed[by_hand]
+    row = next(r for r in out.splitlines() if r.startswith("l04_parallel_linear "))
     assert row.split()[1:] == ["2", "2", "done"], p.stdout + p.stderr
 
 
