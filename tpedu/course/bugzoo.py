@@ -465,9 +465,9 @@ BUGS: dict[str, Bug] = {
             lambda: patched(optim, "gradient_group", lambda placements: "dp"),
             check_cp_train_step,
             2,
-            "the first loss identical, the gradient norm about 1/cp of the right one (each "
-            "rank's gradient covers its positions only) and the losses apart from step 1: the "
-            "reduction group (dp·cp, folded into DP's) left the CP ranks out",
+            "the first loss identical, the gradient norm off from step 0 (each rank's gradient "
+            "covers its positions only) and the losses from step 1: the reduction group (dp·cp, "
+            "CP folded into DP's) left the CP ranks out",
             "not in the seeds: the CP analogue of sequence parallelism's norm-gradient bug",
         ),
         Bug(

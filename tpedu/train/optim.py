@@ -82,13 +82,14 @@ def reduction_groups(chunks: Sequence[TPGPT], layout: Layout) -> tuple[tuple[str
     """(group as the tracer names it, its ranks, elements) of this rank's parameters by the
     group their placements reduce the gradients over: what the reducers' buckets carry, and
     what the dry run predicts DP's traffic from. No communication."""
-    out: dict[str, tuple[int, int]] = {}
+    elements: dict[str, int] = {}
     for e in shard_map(chunks):
         kind = layout.present(gradient_group(e.placements))
-        name = TRACED_AS.get(kind, kind)
-        ranks, n = out.get(name, (len(layout.group_of(kind, 0)), 0))
-        out[name] = ranks, n + e.param.numel()
-    return tuple((name, ranks, n) for name, (ranks, n) in out.items())
+        elements[kind] = elements.get(kind, 0) + e.param.numel()
+    return tuple(
+        (TRACED_AS.get(kind, kind), len(layout.group_of(kind, 0)), n)
+        for kind, n in elements.items()
+    )
 
 
 def make_data_parallel(
