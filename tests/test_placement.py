@@ -97,8 +97,9 @@ def test_no_consumer_decides_where_a_parameter_lives_from_its_name():
 
 def test_the_reducers_groups_follow_the_declaration_not_the_name(monkeypatch):
     """The group each gradient is summed over (what DataParallel and ZeRO bucket by,
-    optim.gradient_groups) is what the MoE layer declares: the experts' over edp, the rest over
-    dp; take the declaration away and every gradient is summed over dp."""
+    optim.gradient_groups) is what the MoE layer declares: the experts' over edp (with the CP
+    ranks: edp_cp), the rest over dp (dp_cp); take the declaration away and every gradient is
+    summed over dp_cp."""
 
     def groups() -> dict[str, str]:
         with this_rank_alone() as group, torch.device("meta"):
@@ -106,7 +107,8 @@ def test_the_reducers_groups_follow_the_declaration_not_the_name(monkeypatch):
         return {e.local: gradient_group(e.placements) for e in shard_map(model)}
 
     named = groups()
-    assert {n for n, g in named.items() if g == "edp"} == {n for n in named if ".experts." in n}
-    assert {n for n, g in named.items() if g == "dp"} == {n for n in named if ".experts." not in n}
+    experts = {n for n in named if ".experts." in n}
+    assert {n for n, g in named.items() if g == "edp_cp"} == experts
+    assert {n for n, g in named.items() if g == "dp_cp"} == set(named) - experts
     monkeypatch.setattr(ExpertParallelMoE, "placements", {})
-    assert set(groups().values()) == {"dp"}
+    assert set(groups().values()) == {"dp_cp"}
