@@ -29,7 +29,6 @@ KNOWN = {
         "model/options.py": "the run options carry the EP group",
         "model/gpt.py": "where the model wires its MoE layer",
         "cli/checks.py": "the CLI's one-line errors before any rank starts",
-        "train/loop.py": "progress labels name every axis",
         "course/bugzoo.py": "the zoo's EP bugs",
         "course/zoo_training.py": "the zoo's EP run",
         "analysis/dryrun/measure.py": "the dry run's fake ranks",

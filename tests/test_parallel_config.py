@@ -102,3 +102,10 @@ def test_save_refuses_a_parallel_config_that_is_not_the_models(tmp_path):
         match=r"parallel says Layout\(tp=4, .* the ranks run Layout\(tp=2, pp=1, dp=1, cp=1\)",
     ):
         launch(_save_mismatched, 2, str(tmp_path))
+
+
+def test_a_dense_export_needs_every_expert_on_one_rank():
+    """train's `out` (--out) at ep > 1 is refused before anything is built, naming the fix."""
+    ParallelConfig(dp=2).check_dense_export()
+    with pytest.raises(ValueError, match=r"^ep = 2: .*tpedu reshard CKPT --to dense --out DIR"):
+        ParallelConfig(dp=2, ep=2).check_dense_export()

@@ -159,11 +159,12 @@ def _train(args: argparse.Namespace) -> int:
     # refused input would pay
     from tpedu.data.corpus import novel_data
     from tpedu.train.config import TrainConfig
-    from tpedu.train.loop import check_saving, train
+    from tpedu.train.loop import train
 
     parallel = checks.parallel_config(args)
     try:
-        check_saving(parallel, args.out)
+        if args.out is not None:
+            parallel.check_dense_export()
     except ValueError as e:
         fail(str(e))
     saved = checks.read_resume(args)  # with --resume, the checkpoint's model config

@@ -130,6 +130,16 @@ class ParallelConfig:
         if self.ep > 1:
             check_expert_parallel(config, self)
 
+    def check_dense_export(self) -> None:
+        """Raise a ValueError if a run of this layout cannot write a dense model directory
+        (train's `out`, --out): the experts split over ep are on no one rank."""
+        if self.ep > 1:
+            raise ValueError(
+                f"ep = {self.ep}: a dense model directory (--out) needs every expert on one "
+                "rank; save sharded checkpoints (--ckpt-dir), then `tpedu reshard CKPT --to "
+                "dense --out DIR`"
+            )
+
     def to_dict(self) -> dict:
         return asdict(self)
 

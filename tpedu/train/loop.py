@@ -101,7 +101,8 @@ def train(
             f"{dist.get_world_size()}; launch {parallel.world} ranks"
         )
     parallel.check(config)
-    check_saving(parallel, out)
+    if out is not None:
+        parallel.check_dense_export()
     mesh = Mesh(parallel.layout)
     chunks = stage_chunks(config, parallel, mesh, cfg.seed)
     step = build_step(chunks, mesh, parallel, cfg)
@@ -145,16 +146,6 @@ def loopback_link() -> cost_model.AlphaBeta:
     for op in ("all_reduce", "all_gather", "reduce_scatter"):
         samples += cost_model.measure(op, [4096, 65536, 1 << 20])
     return cost_model.fit(samples)
-
-
-def check_saving(parallel: ParallelConfig, out: str | None) -> None:
-    """Raise a ValueError if this run cannot save what it is asked to (expert parallelism)."""
-    if parallel.ep > 1 and out is not None:
-        raise ValueError(
-            f"ep = {parallel.ep}: a dense model directory (--out) needs every expert on one "
-            "rank; save sharded checkpoints (--ckpt-dir), then `tpedu reshard CKPT --to dense "
-            "--out DIR`"
-        )
 
 
 def run_loop(
