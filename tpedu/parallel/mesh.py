@@ -204,11 +204,11 @@ class Layout:
 
     def dp_cp_groups(self) -> list[list[int]]:
         """The ranks of one stage position (tp_rank, pp_rank) over every cp and dp index."""
-        return [
-            sorted(r for d in self.axis_groups("dp") if d[0] in g for r in d)
-            for g in self.axis_groups("cp")
-            if self.coords(g[0])["dp"] == 0
-        ]
+        at: dict[tuple[int, int], list[int]] = {}
+        for r in range(self.world):
+            c = self.coords(r)
+            at.setdefault((c["pp"], c["tp"]), []).append(r)
+        return list(at.values())
 
     def edp_cp_groups(self) -> list[list[int]]:
         """The members of each dp_cp group with the same ep_rank."""
@@ -236,10 +236,10 @@ class Layout:
 
     def group_of(self, kind: str, rank: int) -> list[int]:
         """The members of `rank`'s group of `kind` (`present(kind)` in this layout)."""
-        return next(g for g in self.groups()[self.present(kind)] if rank in g)
+        return next(g for g in self.groups_of(self.present(kind)) if rank in g)
 
-    def groups(self) -> dict[str, list[list[int]]]:
-        """{name: every group of that kind} for each of `group_names()`."""
+    def groups_of(self, kind: str) -> list[list[int]]:
+        """Every group of one kind: an axis's, or a group derived from them."""
         derived = {
             "emb": self.emb_groups,
             "ep": self.ep_groups,
@@ -247,10 +247,11 @@ class Layout:
             "dp_cp": self.dp_cp_groups,
             "edp_cp": self.edp_cp_groups,
         }
-        return {
-            name: derived[name]() if name in derived else self.axis_groups(name)
-            for name in self.group_names()
-        }
+        return derived[kind]() if kind in derived else self.axis_groups(kind)
+
+    def groups(self) -> dict[str, list[list[int]]]:
+        """{name: every group of that kind} for each of `group_names()`."""
+        return {name: self.groups_of(name) for name in self.group_names()}
 
 
 def rank_groups(tp: int, pp: int, dp: int) -> dict[str, list[list[int]]]:
