@@ -49,6 +49,7 @@ from tpedu.analysis.activation_memory import SavedTensorCounter
 from tpedu.analysis.memory import peak_rss_growth
 from tpedu.analysis.shape import ModelShape
 from tpedu.analysis.whatif import H100_SXM, long_context
+from tpedu.cp.context import ContextParallel
 from tpedu.cp.gradients import sum_over_cp
 from tpedu.cp.ring import LAYOUTS, chunk_positions, ring_attention, split_sequence
 from tpedu.model.config import GPTConfig
@@ -107,7 +108,7 @@ def make_step(
         loss = model(mine_ids, mine_tgt)
         loss.backward()
         model.sync_grads()
-        sum_over_cp(model.parameters(), model.cp_group)
+        sum_over_cp(model.parameters(), model.context.group)
         opt.step()
         losses.setdefault(name, loss.item())
 
@@ -131,10 +132,14 @@ def worker(seqs: list[int], reps: int, base: GPTConfig) -> list[dict]:
             "TP expl": TPGPT(DenseGPT(config, fused_attention=False), full_tp),
             "TP+SP": TPGPT(dense, full_tp, options=RunOptions(sequence_parallel=True)),
             "CP zigzag": TPGPT(
-                dense, tp_group, options=RunOptions(cp_group=cp_group, cp_layout="zigzag")
+                dense,
+                tp_group,
+                options=RunOptions(context=ContextParallel(cp_group, layout="zigzag")),
             ),
             "CP contig": TPGPT(
-                dense, tp_group, options=RunOptions(cp_group=cp_group, cp_layout="contiguous")
+                dense,
+                tp_group,
+                options=RunOptions(context=ContextParallel(cp_group, layout="contiguous")),
             ),
         }
         opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in models.items()}

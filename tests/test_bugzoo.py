@@ -23,7 +23,7 @@ from tpedu import launch
 from tpedu.course import grading, hunt
 from tpedu.course.bugzoo import BUGS, EDITS, LATER, broken, catalogue, run_check
 from tpedu.course.hunt_cases import CASES
-from tpedu.cp import ring
+from tpedu.cp import context, ring
 from tpedu.model import gpt
 from tpedu.parallel import mesh, pipeline, zero
 from tpedu.parallel.pipeline import schedules
@@ -84,7 +84,7 @@ def test_patches_are_undone_and_names_checked():
             schedules.one_f_one_b,
             gpt.index_dropout,
             ring.merge_partials,
-            gpt.chunk_positions,
+            context.chunk_positions,
             zero.FlatBuffer.finish_grads,
             zero.ShardedDataParallel.step,
             zero.GatherForBackward.__dict__["backward"],

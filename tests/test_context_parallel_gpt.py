@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from tpedu import launch
+from tpedu.cp.context import ContextParallel
 from tpedu.cp.gradients import sum_over_cp
 from tpedu.cp.ring import split_sequence
 from tpedu.model import TPGPT, DenseGPT, GPTConfig
@@ -38,7 +39,7 @@ def _cp_vs_dense(name: str, tp: int, strategy: str, layout: str, recompute: str 
         dense,
         tp_group,
         options=RunOptions(
-            cp_group=cp_group, cp_strategy=strategy, cp_layout=layout, recompute=recompute
+            context=ContextParallel(cp_group, strategy, layout), recompute=recompute
         ),
     )
     g = torch.Generator().manual_seed(1)
@@ -82,7 +83,7 @@ def test_full_recompute_with_context_parallelism():
 def _refused():
     g = dist.new_group([0, 1])
     config = GPTConfig.gpt2_like(37, seq_len=16, n_layers=1, hidden=16, n_heads=4, dropout=0.1)
-    TPGPT(DenseGPT(config), None, options=RunOptions(cp_group=g))
+    TPGPT(DenseGPT(config), None, options=RunOptions(context=ContextParallel(g)))
 
 
 def test_dropout_with_context_parallelism_is_refused():

@@ -14,6 +14,7 @@ from tpedu import launch
 from tpedu.comm.cost_model import AlphaBeta
 from tpedu.comm.tracer import CommTracer
 from tpedu.cp import balance, traffic
+from tpedu.cp.context import ContextParallel
 from tpedu.cp.ring import chunk_positions, ring_attention, split_sequence
 from tpedu.model import TPGPT, DenseGPT, GPTConfig
 from tpedu.model.options import RunOptions
@@ -87,7 +88,7 @@ def _traced_gpt(tp: int, strategy: str, recompute: str = "none"):
         DenseGPT(CONFIG).double(),
         tp_groups[rank // tp],
         options=RunOptions(
-            cp_group=cp_groups[rank % tp], cp_strategy=strategy, recompute=recompute
+            context=ContextParallel(cp_groups[rank % tp], strategy), recompute=recompute
         ),
     )
     g = torch.Generator().manual_seed(1)

@@ -11,6 +11,7 @@ import torch
 from tests.helpers import transformers_greedy
 from tpedu import launch
 from tpedu.comm.tracer import CommTracer
+from tpedu.cp.context import ContextParallel
 from tpedu.model.config import GPTConfig
 from tpedu.model.dense import DenseGPT
 from tpedu.model.gpt import TPGPT
@@ -250,7 +251,7 @@ def _refusals(config):
         lambda: TPGPT(DenseGPT(config), options=RunOptions(sequence_parallel=True)).eval()(
             ids[:, :2], cache=KVCache.for_model(model, 1)
         ),
-        lambda: check_cache_usable(False, False, 2),
+        lambda: check_cache_usable(False, False, ContextParallel(None)),
         lambda: generate_batch(model, [[1], []], 2),
         lambda: generate_batch(model, [[1], [40]], 2),
         lambda: generate_batch(model, [[1], [2]], [2]),

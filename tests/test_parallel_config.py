@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tpedu import checkpoint, launch
+from tpedu.cp.context import ContextParallel
 from tpedu.model import TPGPT, DenseGPT, GPTConfig
 from tpedu.model.options import RunOptions
 from tpedu.parallel.config import ParallelConfig
@@ -52,9 +53,11 @@ def test_the_round_trip():
     assert p.world == 8 and p.layout.world == 8
     assert p.model_options() == RunOptions(overlap_comm=True)  # no mesh: no CP group
     cp = ParallelConfig(2, cp=2, cp_layout="contiguous", recompute="full").model_options()
-    assert cp == RunOptions(recompute="full", cp_layout="contiguous") and cp.cp == 1
+    assert cp == RunOptions(recompute="full") and cp.context is None
     with pytest.raises(ValueError, match="cp_strategy must be one of"):
-        RunOptions(cp_strategy="star")
+        ContextParallel(None, strategy="star")
+    with pytest.raises(ValueError, match="cp_layout must be one of"):
+        ContextParallel(None, layout="spiral")
     with pytest.raises(ValueError, match=r"unknown ParallelConfig fields \['tensor'\]"):
         ParallelConfig.from_dict({"tensor": 2})
 

@@ -12,7 +12,6 @@ from tpedu.comm.placement import (
     Replicate,
     Shard,
     declared,
-    gradient_group,
     placement,
     sharded_on,
     split_over,
@@ -23,6 +22,7 @@ from tpedu.model.gpt import TPGPT
 from tpedu.model.state import TP_PLACEMENTS, shard_map
 from tpedu.moe.dense import DenseMoE
 from tpedu.moe.expert_parallel import ExpertParallelMoE
+from tpedu.parallel.mesh import gradient_group
 
 ROOT = Path(__file__).resolve().parent.parent
 MOE = GPTConfig.gpt2_like(64, seq_len=8, n_layers=2, hidden=16, n_heads=2, experts=4, top_k=2)

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from tests.helpers import cli, one_line_error
 from tpedu import launch
 from tpedu.comm.tracer import CommTracer
+from tpedu.cp.context import ContextParallel
 from tpedu.cp.gradients import sum_over_cp
 from tpedu.cp.ring import split_sequence
 from tpedu.model.config import GPTConfig
@@ -115,9 +116,7 @@ def _cp_worker(tp):
         res = {}
         for overlap in ("none", "chunks"):
             options = RunOptions(
-                cp_group=cp_group,
-                cp_strategy=strategy,
-                cp_layout=layout,
+                context=ContextParallel(cp_group, strategy, layout),
                 recompute=recompute,
                 tp_overlap=overlap,
                 tp_chunks=chunks,
@@ -247,8 +246,7 @@ def _cp_moe_worker(strategy):
         res = {}
         for overlap in ("none", "chunks"):
             options = RunOptions(
-                cp_group=cp_group,
-                cp_strategy=strategy,
+                context=ContextParallel(cp_group, strategy),
                 ep_group=ep_group,
                 tp_overlap=overlap,
                 tp_chunks=3,
@@ -328,7 +326,7 @@ def test_ring_with_cp_or_experts_is_a_one_line_error(flags, message, capfd):
 def _ring_model(what):
     g = dist.new_group([0, 1])
     if what == "cp":
-        config, options = CP_CONFIGS["gpt2"], RunOptions(cp_group=g)
+        config, options = CP_CONFIGS["gpt2"], RunOptions(context=ContextParallel(g))
     else:
         config, options = MOE, RunOptions()
     options = dataclasses.replace(options, sequence_parallel=True, tp_overlap="ring")

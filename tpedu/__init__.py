@@ -37,6 +37,7 @@ imports only its own layer and those below it: tests/test_structure.py checks it
         balance           causal attention work per CP rank, contiguous vs zig-zag
         traffic           what CP sends, as formulas the tracer checks, and their α-β time
         gradients         the gradients' sum over the CP ranks (training folds it into DP's)
+        context           ContextParallel: CP as the model runs it (group, strategy, layout)
     moe/                  mixture of experts and expert parallelism (lesson 18)
         router            the top-k router, its capacity and token dropping, the auxiliary losses
         dense             DenseMoE, every expert on one process: the reference

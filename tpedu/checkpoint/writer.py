@@ -35,7 +35,6 @@ from tpedu.checkpoint.index import (
     shard_file,
     step_name,
 )
-from tpedu.comm.placement import gradient_group
 from tpedu.model.config import GPTConfig
 from tpedu.model.gpt import TPGPT
 from tpedu.model.state import (
@@ -43,7 +42,7 @@ from tpedu.model.state import (
     shard_map,
 )
 from tpedu.parallel.config import ParallelConfig
-from tpedu.parallel.mesh import AXIS_NAMES, CHECKPOINT_AXES, Layout
+from tpedu.parallel.mesh import AXIS_NAMES, CHECKPOINT_AXES, Layout, gradient_group
 
 
 def prepare_step(root: Path, step: int) -> Path:
@@ -250,7 +249,7 @@ def _rank_tensors(
     """What this rank writes, each tensor with the optimizer state it holds. One rule, read
     from the placements: a tensor is written once, by one of the ranks holding a copy of it.
     Over TP a replicated tensor's copies are the TP ranks', and tp rank 0 writes it. Over the
-    rest, its copies are its gradient group's ranks (tpedu.comm.placement.gradient_group: the
+    rest, its copies are its gradient group's ranks (tpedu.parallel.mesh.gradient_group: the
     DP replicas and CP ranks, or an expert's replicas), and `state_writers` balances the
     tensors of each group over its `writers`, about 1/n each, largest first.
     ZeRO (an `opt` with `whole_tensors`) hands them over whole from its shards, one buffer at a

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import argparse
 
+from tpedu.cp.context import STRATEGIES as CP_STRATEGIES
 from tpedu.cp.ring import LAYOUTS as CP_LAYOUTS
 from tpedu.data.tokenizer import KINDS as TOKENIZERS
 from tpedu.launcher import BACKENDS
 from tpedu.model.config import RECOMPUTE
-from tpedu.model.options import CP_STRATEGIES, TP_OVERLAPS
+from tpedu.model.options import TP_OVERLAPS
 from tpedu.parallel.config import SCHEDULES, STAGE_SPLITS, ZERO_LEVELS
 from tpedu.train.config import REDUCE_DTYPES
 from tpedu.train.precision import DTYPES

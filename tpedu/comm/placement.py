@@ -71,14 +71,6 @@ def sharded_on(placements: Placements, axis: str) -> bool:
     return isinstance(placement(placements, axis), Shard)
 
 
-def gradient_group(placements: Placements) -> str:
-    """The mesh group a parameter's gradient is summed over after backward: the ranks that hold
-    the same elements and saw other tokens. "dp_cp": every replica, and the CP ranks, which saw
-    other positions of the same sequences; "edp_cp" for a parameter split over ep: ep is carved
-    from dp, so only the replicas of the same experts hold its elements (tpedu.parallel.mesh)."""
-    return "edp_cp" if sharded_on(placements, "ep") else "dp_cp"
-
-
 def split_over(model: nn.Module, axis: str) -> set[str]:
     """Names of `model`'s parameters split over `axis` (e.g. "ep": the experts' parameters)."""
     return {name for name, where in declared(model).items() if sharded_on(where, axis)}

@@ -57,7 +57,8 @@ from tpedu.course.zoo_training import (
     check_zero2_step,
     check_zero3_step,
 )
-from tpedu.cp import ring
+from tpedu.cp import context, ring
+from tpedu.cp.context import ContextParallel
 from tpedu.cp.gradients import sum_over_cp
 from tpedu.model import gpt
 from tpedu.model.options import RunOptions
@@ -284,7 +285,9 @@ def check_cp_step() -> tuple[bool, str]:
     cp_group = dist.new_group(list(range(world)))
     torch.manual_seed(0)
     dense = model.DenseGPT(GPT2).double()
-    tp_model = model.TPGPT(dense, singles[rank], options=RunOptions(cp_group=cp_group))
+    tp_model = model.TPGPT(
+        dense, singles[rank], options=RunOptions(context=ContextParallel(cp_group))
+    )
     ids, tgt = example_batch(GPT2, b=2, s=8)
     want = dense(ids, tgt)
     want.backward()
@@ -473,7 +476,7 @@ BUGS: dict[str, Bug] = {
         Bug(
             "cp_positions_not_offset",
             "context parallel: each rank numbers its positions from 0",
-            lambda: patched(gpt, "chunk_positions", _positions_from_zero),
+            lambda: patched(context, "chunk_positions", _positions_from_zero),
             check_cp_step,
             2,
             "with learned positions every chunk gets the first positions' embeddings; the causal "
@@ -483,7 +486,7 @@ BUGS: dict[str, Bug] = {
         Bug(
             "cp_zigzag_offsets_wrong",
             "zig-zag split of the data, contiguous positions in the model",
-            lambda: patched(gpt, "chunk_positions", _positions_contiguous),
+            lambda: patched(context, "chunk_positions", _positions_contiguous),
             check_cp_step,
             2,
             "loss off from tp=1 on every step; a contiguous split (or cp = 1) hides it",

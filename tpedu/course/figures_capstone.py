@@ -25,11 +25,13 @@ from tpedu.course.capstone import MB, Budget, Candidate, describe
 from tpedu.parallel.config import ParallelConfig
 
 FIT, OVER, CHOSEN = "#4C72B0", "#BBBBBB", "#C44E52"
+ALWAYS_SHOWN = ("tp", "pp", "dp")  # 3D parallelism's axes; any other only when it is used
 
 
 def short(parallel: ParallelConfig) -> str:
     """A layout as a plot label: 'tp2·pp2·dp1', '+SP', '+Z1', '+recompute'."""
-    name = "·".join(f"{a}{n}" for a, n in parallel.layout.sizes.items() if n > 1 or a != "cp")
+    sizes = parallel.layout.sizes.items()
+    name = "·".join(f"{a}{n}" for a, n in sizes if n > 1 or a in ALWAYS_SHOWN)
     extra = (" +SP" if parallel.sequence_parallel else "") + (
         f" +Z{parallel.zero}" if parallel.zero else ""
     )

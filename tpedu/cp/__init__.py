@@ -6,7 +6,9 @@
     balance  causal work per rank (useful pairs, blocks computed), contiguous vs zig-zag
     traffic  ring and Ulysses messages and bytes per step, their α-β time, timers
     gradients  the gradients' sum over the CP ranks (a model alone; training folds it into DP's)
+    context  ContextParallel: the group, strategy and layout as one object the model asks
 
-The model takes either attention through ParallelConfig's cp, cp_strategy ("ring" or "ulysses")
-and cp_layout ("zigzag" or "contiguous").
+A model runs CP through `RunOptions(context=ContextParallel(group, strategy, layout))`, which
+ParallelConfig's cp, cp_strategy ("ring" or "ulysses") and cp_layout ("zigzag" or "contiguous")
+build for a training run.
 """

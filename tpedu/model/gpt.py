@@ -25,10 +25,10 @@ all-reduce on the wire while the next computes (tpedu.tp.chunked; with CP each c
 attention is CP's, with experts only the attention half is chunked); "ring" (with sequence
 parallelism, so not with CP or experts) does every block's and the head's all-gather and
 reduce-scatter as ring steps under their matmuls (tpedu.tp.collective_matmul).
-`cp_group` (context parallelism, tpedu.cp): each CP rank feeds its positions of the sequence
-(`cp_layout`: zig-zag or contiguous, `tpedu.cp.ring.split_sequence`), learned positions and
-RoPE use the global positions, attention is ring or Ulysses attention (`cp_strategy`) over the
-CP group, and the loss is the mean over the whole sequence (2 small all-reduces over CP). Each
+`context` (context parallelism, a tpedu.cp.context.ContextParallel): each CP rank feeds its
+positions of the sequence (zig-zag or contiguous), learned positions and RoPE use the global
+positions, attention is ring or Ulysses attention over the CP group, and the loss is the mean
+over the whole sequence (2 small all-reduces over CP). Each
 CP rank's gradients cover its positions only: their sum over CP is not the model's to run but
 the reducer's (tpedu.cp.gradients: alone, or folded into DP's reduction over dp·cp).
 """
@@ -46,8 +46,8 @@ from torch.utils.checkpoint import checkpoint
 
 from tpedu.comm import collectives, tracer
 from tpedu.comm.placement import Placements, sharded_on
-from tpedu.cp.ring import chunk_positions, ring_attention, split_sequence
-from tpedu.cp.ulysses import check_ulysses_heads, ulysses_attention
+from tpedu.cp.context import ContextParallel
+from tpedu.cp.ulysses import check_ulysses_heads
 from tpedu.model.config import GPTConfig
 from tpedu.model.dense import (
     ATTENTION_OUTPUT_DROPOUT_SITE,
@@ -108,9 +108,6 @@ def _embed_sequence_parallel(model: TPGPT, ids: torch.Tensor, step: int) -> torc
     return sequence_dropout(x, model.config.dropout, seed, model.group, model.training)
 
 
-CP_ATTENTION = {"ring": ring_attention, "ulysses": ulysses_attention}  # RunOptions.cp_strategy
-
-
 def check_ring_overlap(tp_overlap: str, cp: int = 1, experts: bool = False) -> None:
     """Raise a one-line ValueError: tp_overlap "ring" does not apply with context parallelism
     or a mixture of experts (it needs sequence parallelism, which neither runs with)."""
@@ -152,6 +149,13 @@ def check_moe_options(sequence_parallel: bool, tp_overlap: str = "none") -> None
         )
 
 
+def context_of(options: RunOptions) -> ContextParallel | None:
+    """The run's context parallelism, None when the sequence is not split (no group, or one
+    rank)."""
+    context = options.context
+    return context if context is not None and context.size > 1 else None
+
+
 def expert_parallel_moe(
     dense: DenseMoE, group: dist.ProcessGroup | None, options: RunOptions
 ) -> ExpertParallelMoE:
@@ -183,15 +187,13 @@ class TPBlock(nn.Module):
         self.tp_overlap, self.tp_chunks = options.tp_overlap, options.tp_chunks
         # Replicated: the same on every rank (copies: the TP model must not share the dense one's).
         self.norm1, self.norm2 = copy.deepcopy(dense.norm1), copy.deepcopy(dense.norm2)
-        cp = options.cp > 1
         self.attn = ParallelAttention.from_dense(
             dense.attn,
             group,
             sequence_parallel=sequence_parallel,
             recompute_core=options.recompute == "selective",
             overlap_comm=options.overlap_comm,
-            cp_group=options.cp_group if cp else None,
-            cp_attention=CP_ATTENTION[options.cp_strategy] if cp else None,
+            context=context_of(options),
         )
         self.moe_coefs, self.moe_stats = dense.moe_coefs, None
         if isinstance(dense.mlp, DenseMoE):
@@ -290,11 +292,13 @@ class TPGPT(nn.Module):
         config.check(self.tp)
         if sequence_parallel:  # the batch's own s is checked again at run time
             check_sequence_length(config.seq_len, self.tp)
-        self.cp, self.cp_layout = options.cp, options.cp_layout
-        self.cp_group = options.cp_group if self.cp > 1 else None
-        if self.cp > 1:
+        self.context = context_of(options)
+        self.cp = self.context.size if self.context is not None else 1
+        if self.context is not None:
             check_ring_overlap(options.tp_overlap, self.cp)
-            check_context_parallel(config, sequence_parallel, options.cp_strategy, self.tp, self.cp)
+            check_context_parallel(
+                config, sequence_parallel, self.context.strategy, self.tp, self.cp
+            )
         layers = range(config.n_layers) if layers is None else layers
         if not (0 <= layers.start <= layers.stop <= config.n_layers and layers.step == 1):
             raise ValueError(
@@ -354,16 +358,14 @@ class TPGPT(nn.Module):
             self._check_cache(cache, inputs)
             cache.begin(inputs.shape[1])  # positions and mask, once for every layer
         sp = self.sequence_parallel
-        positions = self._cp_positions(inputs.shape[1]) if self.cp > 1 else None
+        positions = None if self.context is None else self.context.positions(inputs.shape[1])
         if self.first:  # vocab-parallel: 1 all-reduce (SP: 1 reduce-scatter)
             if sp:
                 x = _embed_sequence_parallel(self, inputs, step)
             else:
                 # a copy, not a view of every rank's positions: the embedding then saves only
                 # this rank's s/cp ids for backward, on any device (the dry run counts them)
-                mine = (
-                    None if positions is None else positions[dist.get_rank(self.cp_group)].clone()
-                )
+                mine = None if positions is None else positions[self.context.rank].clone()
                 if cache is not None:
                     mine = cache.step.positions  # [b, s]
                 x = embed(self, inputs, step, mine)
@@ -383,7 +385,7 @@ class TPGPT(nn.Module):
             logits = F.linear(h, head.weight)
             if targets is None:
                 return logits
-            if self.cp == 1:
+            if self.context is None:
                 return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
             losses = F.cross_entropy(
                 logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE, reduction="none"
@@ -413,7 +415,7 @@ class TPGPT(nn.Module):
 
     def _check_cache(self, cache: KVCache, ids: torch.Tensor) -> None:
         """ValueErrors for a forward the KV cache cannot serve."""
-        check_cache_usable(self.training, self.sequence_parallel, self.cp)
+        check_cache_usable(self.training, self.sequence_parallel, self.context)
         if not (self.first and self.last):
             raise ValueError(
                 "a KV cache needs the whole model on each rank: build TPGPT without `layers` "
@@ -437,23 +439,18 @@ class TPGPT(nn.Module):
         global mean on every rank, the gradient flows through this rank's tokens only (the
         parameters' gradients are then summed over CP: tpedu.cp.gradients)."""
         count = (targets != IGNORE).sum()
-        if self.cp == 1:
+        if self.context is None:
             return losses.sum() / count.clamp_min(1)
-        count = collectives.all_reduce(count.clone(), self.cp_group).clamp_min(1)
-        mine = losses.sum() / count
-        total = collectives.all_reduce(mine.detach().clone(), self.cp_group)
-        return mine + (total - mine).detach()
+        return self.context.mean(losses.sum(), count)
 
     def local_sequence(self, t: torch.Tensor) -> torch.Tensor:
         """This CP rank's positions of ids or targets [b, s] -> [b, s/cp] (cp = 1: t itself)."""
-        if self.cp == 1:
-            return t
-        return split_sequence(t, self.cp, dist.get_rank(self.cp_group), self.cp_layout, dim=1)
+        return t if self.context is None else self.context.local(t)
 
     def axes(self) -> dict[str, tuple[int, int]]:
         """{mesh axis: (its size, this rank's index on it)} of the axes this model's own groups
         span (tp, and cp): where a model saved alone, outside a mesh, places its rank."""
-        cp_rank = dist.get_rank(self.cp_group) if self.cp > 1 else 0
+        cp_rank = 0 if self.context is None else self.context.rank
         return {"tp": (self.tp, dist.get_rank(self.group)), "cp": (self.cp, cp_rank)}
 
     def stage_positions(self) -> int:
@@ -461,13 +458,6 @@ class TPGPT(nn.Module):
         sequence parallelism, s/cp with context parallelism, else s."""
         split = self.tp if self.sequence_parallel else self.cp
         return self.config.seq_len // split
-
-    def _cp_positions(self, s_local: int) -> torch.Tensor:
-        """[cp, s/cp]: every CP rank's global positions for a sequence of s_local · cp."""
-        cp = self.cp
-        return torch.stack(
-            [chunk_positions(s_local * cp, cp, r, self.cp_layout) for r in range(cp)]
-        )
 
     def full_logits(self, ids: torch.Tensor) -> torch.Tensor:
         """Logits over the whole vocabulary [b, s, V] on every rank (gathers if vocab-parallel)."""

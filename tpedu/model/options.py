@@ -10,9 +10,9 @@ uses; the GPTConfig (what the model is) never holds any of it.
     recompute           "none", "selective" (the attention core) or "full" (the whole block from
                         its input) recomputed in backward (lesson 10)
     overlap_comm        f's backward all-reduce runs while dL/dW is computed (lesson 15)
-    cp_group            context parallelism (lesson 09): each rank of this group feeds its chunk
-    cp_strategy         of the sequence ("zigzag" or "contiguous", `cp_layout`), attention is
-    cp_layout           ring or Ulysses attention over the group (None: no CP)
+    context             context parallelism (lesson 09), a tpedu.cp.context.ContextParallel: each
+                        rank of its group feeds its positions of the sequence, attention is
+                        ring or Ulysses attention over the group (None: no CP)
     ep_group            expert parallelism (lesson 18): the MoE layers' experts split over this
                         group's ranks, tokens traded with all-to-all (None: every expert here)
     tp_overlap          hide TP's communication (lesson 19): "none"; "chunks", each block run
@@ -28,10 +28,9 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from tpedu.cp.ring import LAYOUTS
+from tpedu.cp.context import ContextParallel
 from tpedu.model.config import RECOMPUTE
 
-CP_STRATEGIES = ("ring", "ulysses")
 TP_OVERLAPS = ("none", "chunks", "ring")
 
 
@@ -42,9 +41,7 @@ class RunOptions:
     sequence_parallel: bool = False
     recompute: str = "none"
     overlap_comm: bool = False
-    cp_group: dist.ProcessGroup | None = None
-    cp_strategy: str = "ring"
-    cp_layout: str = "zigzag"
+    context: ContextParallel | None = None
     ep_group: dist.ProcessGroup | None = None
     tp_overlap: str = "none"
     tp_chunks: int = 2
@@ -52,18 +49,11 @@ class RunOptions:
     def __post_init__(self) -> None:
         for name, choices in (
             ("recompute", RECOMPUTE),
-            ("cp_strategy", CP_STRATEGIES),
-            ("cp_layout", LAYOUTS),
             ("tp_overlap", TP_OVERLAPS),
         ):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
         check_tp_overlap(self.tp_overlap, self.tp_chunks, self.sequence_parallel)
-
-    @property
-    def cp(self) -> int:
-        """Ranks of the CP group (1: no context parallelism)."""
-        return dist.get_world_size(self.cp_group) if self.cp_group is not None else 1
 
 
 def check_tp_overlap(overlap: str, chunks: int, sequence_parallel: bool) -> None:

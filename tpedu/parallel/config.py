@@ -34,10 +34,11 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
+from tpedu.cp.context import STRATEGIES, ContextParallel
 from tpedu.cp.ring import LAYOUTS, check_cp_length
 from tpedu.model.config import RECOMPUTE, GPTConfig
 from tpedu.model.gpt import check_context_parallel, check_moe_options, check_ring_overlap
-from tpedu.model.options import CP_STRATEGIES, TP_OVERLAPS, RunOptions, check_tp_overlap
+from tpedu.model.options import TP_OVERLAPS, RunOptions, check_tp_overlap
 from tpedu.moe.expert_parallel import check_experts_divide
 from tpedu.parallel.mesh import AXIS_NAMES, Layout, Mesh
 from tpedu.parallel.pipeline.schedules import partition, schedule
@@ -78,7 +79,7 @@ class ParallelConfig:
             ("stage_split", STAGE_SPLITS),
             ("recompute", RECOMPUTE),
             ("zero", ZERO_LEVELS),
-            ("cp_strategy", CP_STRATEGIES),
+            ("cp_strategy", STRATEGIES),
             ("cp_layout", LAYOUTS),
             ("tp_overlap", TP_OVERLAPS),
         ):
@@ -106,9 +107,11 @@ class ParallelConfig:
             sequence_parallel=self.sequence_parallel,
             recompute=self.recompute,
             overlap_comm=self.overlap_comm,
-            cp_group=mesh.cp_group if mesh is not None else None,
-            cp_strategy=self.cp_strategy,
-            cp_layout=self.cp_layout,
+            context=(
+                ContextParallel(mesh.cp_group, self.cp_strategy, self.cp_layout)
+                if mesh is not None and self.cp > 1
+                else None
+            ),
             ep_group=mesh.ep_group if mesh is not None and self.ep > 1 else None,
             tp_overlap=self.tp_overlap,
             tp_chunks=self.tp_chunks,

@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING
 import torch.distributed as dist
 
 from tpedu.comm import collectives
+from tpedu.comm.placement import Placements, sharded_on
 from tpedu.tp.sharding import divisors
 
 if TYPE_CHECKING:
@@ -74,6 +75,7 @@ AXES = (
     Axis("dp", True, False, "replicas of the same shards: gradients averaged"),
 )
 AXIS_NAMES = tuple(a.name for a in AXES)
+CHECKPOINT_AXES = tuple(a.name for a in AXES if a.checkpoint)
 # The tracer's name of a group kind, where it is not the kind: the pipeline's channels are all
 # "pp"; the gradient reduction over dp·cp is DP's, with the CP ranks folded in.
 TRACED_AS = {
@@ -83,7 +85,14 @@ TRACED_AS = {
     "dp_cp": "dp",
     "edp_cp": "edp",
 }
-CHECKPOINT_AXES = tuple(a.name for a in AXES if a.checkpoint)
+
+
+def gradient_group(placements: Placements) -> str:
+    """The mesh group a parameter's gradient is summed over after backward: the ranks that hold
+    the same elements and saw other tokens. "dp_cp": every replica, and the CP ranks, which saw
+    other positions of the same sequences; "edp_cp" for a parameter split over ep: ep is carved
+    from dp, so only the replicas of the same experts hold its elements."""
+    return "edp_cp" if sharded_on(placements, "ep") else "dp_cp"
 
 
 @dataclass(frozen=True)
@@ -312,6 +321,7 @@ class Mesh:
     cp_group = property(lambda self: self.groups["cp"])
     pp_group = property(lambda self: self.groups["pp"])
     dp_group = property(lambda self: self.groups["dp"])
+    reduce_group = property(lambda self: self.groups["dp_cp"])  # DataParallel's and ZeRO's
     emb_group = property(lambda self: self.groups["emb"])
     edp_group = property(lambda self: self.groups["edp"])
 

@@ -35,7 +35,7 @@ dropout from them: the a·s² terms leave the memory ledger.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -51,6 +51,19 @@ from tpedu.tp.layers import RowParallelLinear, column_parallel_linear
 from tpedu.tp.rope import apply_rope
 from tpedu.tp.sequence_parallel import all_gather_linear
 from tpedu.tp.sharding import divisors
+
+
+class SplitSequence(Protocol):
+    """What attention asks of context parallelism (tpedu.cp.context.ContextParallel, a layer
+    above this one): this rank's index among the ranks that split the sequence, and the core
+    over all of their positions."""
+
+    @property
+    def rank(self) -> int: ...
+
+    def attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor: ...
 
 
 def tp_sizes_for_heads(n_heads: int, n_kv_heads: int | None = None) -> list[int]:
@@ -170,8 +183,7 @@ class ParallelAttention(nn.Module):
         sequence_parallel: bool = False,
         recompute_core: bool = False,
         overlap_comm: bool = False,
-        cp_group: dist.ProcessGroup | None = None,
-        cp_attention: Callable | None = None,
+        context: SplitSequence | None = None,
     ) -> None:
         super().__init__()
         qkv_weight, qkv_bias = dense.qkv.weight, dense.qkv.bias
@@ -180,8 +192,7 @@ class ParallelAttention(nn.Module):
         self.fused = dense.fused  # tp.dense.attend: flash attention unless a dropout mask is drawn
         self.overlap_comm = overlap_comm  # overlap f's backward all-reduce (lesson 15)
         self.sequence_parallel, self.recompute_core = sequence_parallel, recompute_core
-        # context parallelism (tpedu.cp): the core is cp_attention over cp_group
-        self.cp_group, self.cp_attention = cp_group, cp_attention
+        self.context = context  # context parallelism (tpedu.cp): its attention is the core
         self.rope_theta = dense.rope_theta  # RoPE rotates each head on its own: no communication
         self.group = group
         self.tp, self.rank = dist.get_world_size(group), dist.get_rank(group)
@@ -241,7 +252,7 @@ class ParallelAttention(nn.Module):
 
         `step` selects this step's dropout mask. `positions` [cp, s] (context parallelism: every
         CP rank's global positions, the same on all; x holds this rank's): RoPE at the global
-        positions, and the core is `self.cp_attention` over `self.cp_group` (tpedu.cp).
+        positions, and the core is `self.context`'s attention (tpedu.cp).
         `cache` (inference, tpedu.tp.kv_cache): x holds s new tokens per sequence; their K
         and V (this rank's KV heads only) join the cache and the queries attend to every cached
         position up to their own. Still 1 all-reduce of b·s·H (s = 1 per decoded token).
@@ -281,16 +292,16 @@ class ParallelAttention(nn.Module):
 
     def local_positions(self, positions: torch.Tensor | None) -> torch.Tensor | None:
         """This CP rank's row [s] of every rank's global positions [cp, s] (None: None)."""
-        return None if positions is None else positions[dist.get_rank(self.cp_group)]
+        return None if positions is None else positions[self.context.rank]
 
     def context_core(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor
     ) -> torch.Tensor:
         """The core over every CP rank's positions [cp, s]: q [b, nq/t, s, d], k, v
-        [b, nkv_r, s, d] -> [b, s, nq/t·d]; `self.cp_attention` over `self.cp_group` (ring:
+        [b, nkv_r, s, d] -> [b, s, nq/t·d]; `self.context`'s attention over its group (ring:
         K/V sends around the CP ring; Ulysses: all-to-alls), forward and backward."""
         b, nq, s, d = q.shape
-        out = self.cp_attention(q, k, v, positions, self.cp_group)
+        out = self.context.attention(q, k, v, positions)
         return out.transpose(1, 2).reshape(b, s, nq * d)
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: int) -> torch.Tensor:

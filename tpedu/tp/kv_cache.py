@@ -30,8 +30,9 @@ import torch
 from torch import nn
 
 
-def check_cache_usable(training: bool, sequence_parallel: bool, cp: int) -> None:
-    """Raise a ValueError unless the model can run with a KV cache (inference, plain TP)."""
+def check_cache_usable(training: bool, sequence_parallel: bool, context: object | None) -> None:
+    """Raise a ValueError unless the model can run with a KV cache (inference, plain TP):
+    `context` is the model's context parallelism (tpedu.cp.context; None: none)."""
     if training:
         raise ValueError(
             "a KV cache is for inference: call model.eval() (and use torch.no_grad()) first"
@@ -41,10 +42,10 @@ def check_cache_usable(training: bool, sequence_parallel: bool, cp: int) -> None
             "a KV cache needs the full sequence on every rank: build the model without "
             "sequence_parallel for generation"
         )
-    if cp > 1:
+    if context is not None:
         raise ValueError(
             "a KV cache with context parallelism (cp > 1) is not supported: build the model "
-            "without cp_group for generation"
+            "without RunOptions.context for generation"
         )
 
 

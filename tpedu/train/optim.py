@@ -12,11 +12,10 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from tpedu.comm.placement import gradient_group
 from tpedu.model.gpt import TPGPT, Weight
 from tpedu.model.state import shard_map
 from tpedu.parallel.data_parallel import DataParallel
-from tpedu.parallel.mesh import TRACED_AS, Layout, Mesh
+from tpedu.parallel.mesh import TRACED_AS, Layout, Mesh, gradient_group
 from tpedu.parallel.pipeline.runtime import tied_params
 from tpedu.parallel.zero import ShardedDataParallel
 from tpedu.train.config import TrainConfig
@@ -54,7 +53,7 @@ def make_sharded(
     defer = [p for c in chunks for p in c.grad_sync_params()] + tied_params(chunks)
     return ShardedDataParallel(
         chunks,
-        mesh.groups["dp_cp"],
+        mesh.reduce_group,
         level,
         decay=decayed,
         weight_of=weight_of,
@@ -73,7 +72,7 @@ def gradient_groups(
     chunks: Sequence[TPGPT], mesh: Mesh
 ) -> Callable[[torch.nn.Parameter], dist.ProcessGroup | None]:
     """parameter -> the group its gradient is summed over, read from its placements
-    (tpedu.comm.placement.gradient_group): the reducers bucket by it."""
+    (tpedu.parallel.mesh.gradient_group): the reducers bucket by it."""
     groups = {id(e.param): mesh.groups[gradient_group(e.placements)] for e in shard_map(chunks)}
     return lambda p: groups[id(p)]
 
@@ -108,6 +107,6 @@ def make_data_parallel(
     if lay.reduce_ranks > 1:  # the mean over the replicas of a sum over each one's CP ranks
         groups = gradient_groups(chunks, mesh)
         dpar = DataParallel(
-            stage, mesh.groups["dp_cp"], reduce_dtype=low, group_of=groups, mean_over=lay.dp
+            stage, mesh.reduce_group, reduce_dtype=low, group_of=groups, mean_over=lay.dp
         )
     return dpar, make_optimizer(stage, cfg)
