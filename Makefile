@@ -74,7 +74,7 @@ NOTEBOOKS := $(CAPSTONE) $(filter-out $(CAPSTONE),$(sort $(wildcard notebooks/*.
 
 # The whole suite: package tests, exercise tests against solutions/, every notebook under nbval.
 test: lint
-	$(TEST_ENV) $(PYTEST) $(WORKERS) $(NBVAL) $(NOTEBOOKS) tests
+	$(TEST_ENV) $(PYTEST) $(WORKERS) --durations=25 $(NBVAL) $(NOTEBOOKS) tests
 
 # Every notebook again with the CPU kernels forced down to SSE-level code (what an older or
 # smaller CPU runs): the stored outputs must hold on any CPU. tests.kernels first checks, in

@@ -108,7 +108,8 @@ def make_step(
         loss = model(mine_ids, mine_tgt)
         loss.backward()
         model.sync_grads()
-        sum_over_cp(model.parameters(), model.context.group)
+        if model.context is not None:  # each CP rank's gradients cover its positions only
+            sum_over_cp(model.parameters(), model.context.group)
         opt.step()
         losses.setdefault(name, loss.item())
 
