@@ -39,8 +39,10 @@ class ContextParallel:
     layout: str = "zigzag"
 
     def __post_init__(self) -> None:
-        for name, choices in (("cp_strategy", STRATEGIES), ("cp_layout", LAYOUTS)):
-            value = getattr(self, name.removeprefix("cp_"))
+        for name, value, choices in (
+            ("cp_strategy", self.strategy, STRATEGIES),
+            ("cp_layout", self.layout, LAYOUTS),
+        ):
             if value not in choices:
                 raise ValueError(f"{name} must be one of {choices}, got {value!r}")
 
